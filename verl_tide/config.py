@@ -1,0 +1,265 @@
+"""Typed schema of the `tide:` config subtree and its validation.
+
+Pure Python (no verl, omegaconf or torch): the Hydra callback, the trainer and the
+simulator all hand a plain mapping to `parse_tide_config`, so a bad value is rejected
+the same way wherever it enters. Every error names the full key, the value given and
+what is allowed; all errors of one config are reported together.
+
+Defaults follow the TideRL paper where it gives one (ERS moves at most one rank per
+step; CTB priority order eval > group completion > active > context length, Table 1)
+and are otherwise conservative. `conf/tide/enabled.yaml` repeats them so that
+`--cfg job` shows them; a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+RA2P_MODES = ("auto", "decoupled", "colocated")
+
+
+class TideConfigError(ValueError):
+    """One or more `tide.*` values are invalid; the message lists each as `key = value: allowed`."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid verl-tide config ({len(self.problems)} problem(s)):\n{lines}")
+
+
+@dataclass(frozen=True)
+class Check:
+    """A range rule for one numeric field: `ok(value)` and how to say what is allowed."""
+
+    ok: Callable[[Any], bool]
+    allowed: str
+
+
+def _check(ok: Callable[[Any], bool], allowed: str, help: str) -> dict[str, Any]:
+    return {"check": Check(ok, allowed), "help": help}
+
+
+def _help(text: str) -> dict[str, Any]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class PriorityWeights:
+    """Weights of CTB's pause/resume priority P(t) = w1*eval + w2*G_completion + w3*active + w4*L_context."""
+
+    eval: float = field(default=1000.0, metadata=_check(lambda x: x >= 0, ">= 0", "w1, evaluation tasks"))
+    group_completion: float = field(
+        default=100.0, metadata=_check(lambda x: x >= 0, ">= 0", "w2, times the GRPO group's finished fraction")
+    )
+    active: float = field(default=10.0, metadata=_check(lambda x: x >= 0, ">= 0", "w3, task is generating now"))
+    context_length: float = field(
+        default=1e-5, metadata=_check(lambda x: x >= 0, ">= 0", "w4, per token of current context")
+    )
+
+
+@dataclass(frozen=True)
+class CTBConfig:
+    """Continuous Task Batching on the rollout ranks (paper Sec. 4, Alg. 1)."""
+
+    enabled: bool = field(default=True, metadata=_help("false gives verl's stock request routing"))
+    kv_headroom: float = field(
+        default=0.9,
+        metadata=_check(lambda x: 0 < x <= 1, "0 < x <= 1", "fraction of a rank's KV capacity CTB may fill"),
+    )
+    probe_first_turn: bool = field(
+        default=True, metadata=_help("probe one task per GRPO group to learn the first-turn footprint")
+    )
+    env_concurrency: int = field(
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0 (0 = unlimited)", "cap on active environment sessions")
+    )
+    diversity_penalty: float = field(
+        default=0.1,
+        metadata=_check(lambda x: x >= 0, ">= 0", "penalty per task of the same type already on a rank"),
+    )
+    priority: PriorityWeights = field(default_factory=PriorityWeights)
+
+
+@dataclass(frozen=True)
+class RA2PConfig:
+    """Resource-Aware Ref-Actor Pipelining on the trainer (paper Sec. 5.1, App. A)."""
+
+    mode: Literal["auto", "decoupled", "colocated"] = field(
+        default="auto", metadata=_help("auto picks per step from the cost model")
+    )
+    hysteresis: float = field(
+        default=0.1,
+        metadata=_check(lambda x: 0 <= x < 1, "0 <= x < 1", "relative cost margin before auto mode switches"),
+    )
+    actors_per_ref_rank: int = field(
+        default=4, metadata=_check(lambda x: x >= 1, ">= 1", "Actor ranks one decoupled Ref rank serves")
+    )
+    zero_copy: bool = field(default=True, metadata=_help("colocated hand-off without serialization"))
+
+
+@dataclass(frozen=True)
+class ERSConfig:
+    """Elastic Resource Scaling between rollout and Ref at the weight-sync boundary (paper Sec. 5.2)."""
+
+    enabled: bool = field(default=True, metadata=_help("false keeps every rank in its starting role"))
+    tau: float = field(
+        default=1.0,
+        metadata=_check(lambda x: x > 0, "> 0", "head-of-line threshold as a multiple of the mean step time"),
+    )
+    min_batch: Optional[int] = field(
+        default=None,
+        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = ideal_batch)", "B_min, smallest trainable batch"),
+    )
+    ideal_batch: Optional[int] = field(
+        default=None,
+        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = data.train_batch_size)", "B_ideal"),
+    )
+    max_moves_per_step: int = field(
+        default=1, metadata=_check(lambda x: x >= 0, ">= 0", "ranks that may change role per step")
+    )
+    cooldown_steps: int = field(
+        default=3, metadata=_check(lambda x: x >= 0, ">= 0", "steps before a moved rank may move back")
+    )
+    min_rollout_ranks: int = field(default=1, metadata=_check(lambda x: x >= 1, ">= 1", "rollout ranks kept"))
+    max_ref_ranks: Optional[int] = field(
+        default=None, metadata=_check(lambda x: x >= 0, ">= 0 or null (no cap)", "Ref ranks ERS may create")
+    )
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """Client side of the environment service (/start /observation /end /pause /resume)."""
+
+    url: Optional[str] = field(default=None, metadata=_help("base URL of the environment service; null = none"))
+    request_timeout_s: float = field(
+        default=30.0, metadata=_check(lambda x: x > 0, "> 0", "timeout of every environment call")
+    )
+    max_retries: int = field(default=3, metadata=_check(lambda x: x >= 0, ">= 0", "retries of transient errors"))
+    session_timeout_s: float = field(
+        default=240.0, metadata=_check(lambda x: x > 0, "> 0", "inactivity timeout, frozen while paused")
+    )
+    max_payload_bytes: int = field(
+        default=1 << 20, metadata=_check(lambda x: x > 0, "> 0", "largest request or response body")
+    )
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """Prometheus exporter of CTB/RA2P/ERS signals."""
+
+    enabled: bool = field(default=True, metadata=_help("serve /metrics"))
+    host: str = field(default="127.0.0.1", metadata=_help("bind address; loopback unless you open it"))
+    port: int = field(
+        default=0, metadata=_check(lambda x: 0 <= x <= 65535, "0..65535 (0 = any free port)", "exporter port")
+    )
+
+
+@dataclass(frozen=True)
+class TideConfig:
+    """The whole `tide:` subtree."""
+
+    max_staleness: int = field(
+        default=1, metadata=_check(lambda x: x >= 0, ">= 0", "policy versions a trajectory may lag the trainer")
+    )
+    ctb: CTBConfig = field(default_factory=CTBConfig)
+    ra2p: RA2PConfig = field(default_factory=RA2PConfig)
+    ers: ERSConfig = field(default_factory=ERSConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def parse_tide_config(raw: Optional[Mapping[str, Any]], prefix: str = "tide") -> TideConfig:
+    """Build a `TideConfig` from a plain mapping, or raise `TideConfigError` naming every bad key."""
+    problems: list[str] = []
+    cfg = _build(TideConfig, raw if raw is not None else {}, prefix, problems)
+    if not problems:
+        _check_cross_fields(cfg, prefix, problems)
+    if problems:
+        raise TideConfigError(problems)
+    return cfg
+
+
+def defaults_as_dict() -> dict[str, Any]:
+    """The default `tide:` subtree as plain data (what `enabled.yaml` must show)."""
+    return dataclasses.asdict(TideConfig())
+
+
+def _check_cross_fields(cfg: TideConfig, prefix: str, problems: list[str]) -> None:
+    ers = cfg.ers
+    if ers.min_batch is not None and ers.ideal_batch is not None and ers.min_batch > ers.ideal_batch:
+        problems.append(
+            f"{prefix}.ers.min_batch = {ers.min_batch}: must be <= {prefix}.ers.ideal_batch "
+            f"(= {ers.ideal_batch}); B_min <= B_ideal"
+        )
+
+
+def _build(cls: type, raw: Any, path: str, problems: list[str]) -> Any:
+    if not isinstance(raw, Mapping):
+        problems.append(f"{path} = {raw!r}: must be a mapping with keys {_names(cls)}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            problems.append(f"{path}.{key} = {raw[key]!r}: unknown key; allowed keys: {_names(cls)}")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in raw:
+            continue
+        value = _coerce(hints[name], raw[name], f"{path}.{name}", problems)
+        check: Optional[Check] = f.metadata.get("check")
+        if value is not _INVALID and value is not None and check is not None and not check.ok(value):
+            problems.append(f"{path}.{name} = {raw[name]!r}: must be {check.allowed} ({f.metadata['help']})")
+            value = _INVALID
+        if value is not _INVALID:
+            values[name] = value
+    return cls(**values)
+
+
+_INVALID = object()
+
+
+def _coerce(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is Union:  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, path, problems)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, problems)
+    if origin is Literal:
+        if value in args:
+            return value
+        problems.append(f"{path} = {value!r}: must be one of {' | '.join(map(str, args))}")
+        return _INVALID
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        problems.append(f"{path} = {value!r}: must be true or false")
+        return _INVALID
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        problems.append(f"{path} = {value!r}: must be an integer")
+        return _INVALID
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+        problems.append(f"{path} = {value!r}: must be a finite number")
+        return _INVALID
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        problems.append(f"{path} = {value!r}: must be a string")
+        return _INVALID
+    raise TypeError(f"schema type {tp!r} at {path} is not supported")  # a bug in this module, not user input
+
+
+def _names(cls: type) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))

@@ -1,0 +1,85 @@
+"""`verl.plugins` entry point: verl imports this module in every process that imports verl.
+
+- Trainer `tide` is registered in verl's TRAINER_REGISTRY as soon as verl imports the
+  module that holds the registry (`trainer_base`), so processes that never build a
+  trainer (vLLM engines, reward workers) do not pay for importing the trainer stack.
+- Only when the CPU test bed is selected (`VERL_PLATFORM=cpu`): the test bed's CPU platform
+  (now, before verl resolves its platform) and its vLLM-CPU rollout (when verl imports the
+  rollout replica registry).
+All of it goes through verl's registries; no verl attribute is reassigned.
+
+verl logs entry-point failures at DEBUG only, so every failure here is written to stderr
+and to the `verl_tide` logger at ERROR, kept in `REGISTRATION_ERRORS`, and re-raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from types import ModuleType
+
+from verl_tide.import_hooks import when_imported
+
+logger = logging.getLogger("verl_tide")
+
+TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1.trainer_base"
+ROLLOUT_REGISTRY_MODULE = "verl.workers.rollout.replica"
+
+REGISTRATION_ERRORS: list[str] = []
+
+
+def cpu_test_bed_selected() -> bool:
+    return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
+
+
+def _loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
+    """Run one registration; on failure say so on stderr and at ERROR.
+
+    Inside a post-import hook the error is not re-raised: that would fail verl's own import
+    of the registry module and break stock verl along with the plugin.
+    """
+    try:
+        fn()
+    except Exception:
+        detail = traceback.format_exc()
+        REGISTRATION_ERRORS.append(f"{what}: {detail}")
+        message = f"verl-tide: {what} FAILED in pid {os.getpid()}; the plugin is not usable here.\n{detail}"
+        logger.error(message)
+        print(message, file=sys.stderr, flush=True)
+        if reraise:
+            raise
+
+
+def _register_trainer(_: ModuleType) -> None:
+    def go() -> None:
+        import verl_tide.trainer  # noqa: F401  (@register_trainer("tide") runs on import)
+
+    _loudly("registering trainer 'tide'", go, reraise=False)
+
+
+def _register_cpu_rollout(_: ModuleType) -> None:
+    def go() -> None:
+        from verl_tide.testing.vllm_cpu import register_vllm_cpu_rollout
+
+        register_vllm_cpu_rollout()
+
+    _loudly("registering the CPU test bed's vLLM-CPU rollout", go, reraise=False)
+
+
+def _register() -> None:
+    if cpu_test_bed_selected():
+
+        def platform() -> None:
+            from verl_tide.testing.platform import register_cpu_platform
+
+            register_cpu_platform()
+
+        _loudly("registering the CPU test bed platform", platform, reraise=True)
+        when_imported(ROLLOUT_REGISTRY_MODULE, _register_cpu_rollout)
+    when_imported(TRAINER_REGISTRY_MODULE, _register_trainer)
+
+
+_register()
