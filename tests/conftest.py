@@ -1,0 +1,1 @@
+pytest_plugins = ["verl_tide.testing.pytest_plugin"]

@@ -1,0 +1,57 @@
+"""pytest fixtures of the CPU test bed. Enable with `pytest_plugins = ["verl_tide.testing.pytest_plugin"]`.
+
+Expensive things are built once per session (tiny model, data) or once per module (a Ray
+cluster); every Ray cluster started here is shut down, and /dev/shm is cleaned after it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from verl_tide.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def grpo_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from verl_tide.testing.tiny_model import write_gsm8k_style_parquet
+
+    root = tmp_path_factory.mktemp("grpo_data")
+    return {
+        "train": write_gsm8k_style_parquet(root / "train.parquet", 16, seed=0),
+        "val": write_gsm8k_style_parquet(root / "val.parquet", 4, seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def ray_cpu_cluster() -> Iterator[None]:
+    """A local Ray cluster with 2 fake GPUs and the CPU test bed's environment in every process."""
+    import ray
+
+    from verl_tide.testing.platform import TEST_BED_ENV, register_cpu_platform
+    from verl_tide.testing.testbed import clean_shm
+
+    saved = {k: os.environ.get(k) for k in TEST_BED_ENV}
+    os.environ.update(TEST_BED_ENV)
+    register_cpu_platform()  # this process imported verl before VERL_PLATFORM was set
+    shm_before = set(glob.glob("/dev/shm/*"))
+    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": dict(TEST_BED_ENV)})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        clean_shm(shm_before)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
