@@ -31,6 +31,9 @@ class TideConfigError(ValueError):
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid verl-tide config ({len(self.problems)} problem(s)):\n{lines}")
 
+    def __repr__(self) -> str:  # Hydra prints repr() of errors raised while instantiating
+        return f"{type(self).__name__}: {self}"
+
 
 @dataclass(frozen=True)
 class Check:
@@ -176,8 +179,7 @@ def parse_tide_config(raw: Optional[Mapping[str, Any]], prefix: str = "tide") ->
     """Build a `TideConfig` from a plain mapping, or raise `TideConfigError` naming every bad key."""
     problems: list[str] = []
     cfg = _build(TideConfig, raw if raw is not None else {}, prefix, problems)
-    if not problems:
-        _check_cross_fields(cfg, prefix, problems)
+    _check_cross_fields(cfg, prefix, problems)
     if problems:
         raise TideConfigError(problems)
     return cfg

@@ -1,0 +1,94 @@
+"""`+tide=enabled` through verl's real `main_ppo` Hydra app, in fresh subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import yaml
+
+from verl_tide.config import defaults_as_dict
+
+# Stock verl: no .pth processing (-S) hides the editable verl-tide install, so neither the Hydra
+# search-path plugin nor `verl_tide` can be imported; VERL_USE_EXTERNAL_PLUGINS=none skips entry points.
+_STOCK = (
+    "import runpy, sys; sys.path.append({purelib!r}); sys.argv = ['main_ppo'] + sys.argv[1:]; "
+    "runpy.run_module('verl.trainer.main_ppo', run_name='__main__')"
+)
+
+
+def _main_ppo(args: list[str], tmp_path, stock: bool = False) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    if stock:
+        env["VERL_USE_EXTERNAL_PLUGINS"] = "none"
+        cmd = [sys.executable, "-S", "-c", _STOCK.format(purelib=sysconfig.get_paths()["purelib"]), *args]
+    else:
+        cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *args]
+    # cwd outside the repo: the checkout itself must not be what makes the plugin importable.
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _job(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return yaml.safe_load(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def stock_job_output(tmp_path_factory):
+    return _main_ppo(["--cfg", "job"], tmp_path_factory.mktemp("stock"), stock=True)
+
+
+def test_stock_baseline_really_lacks_the_plugin(tmp_path):
+    # Without the search-path plugin `tide` is no config group: Hydra adds a plain string key.
+    job = _job(_main_ppo(["+tide=enabled", "--cfg", "job"], tmp_path, stock=True))
+    assert job["tide"] == "enabled"
+    assert job["trainer"]["v1"]["trainer_mode"] == "sync"
+
+
+def test_composing_without_tide_equals_stock_verl(tmp_path, stock_job_output):
+    with_plugin = _main_ppo(["--cfg", "job"], tmp_path)
+    assert with_plugin.returncode == 0 and stock_job_output.returncode == 0
+    assert with_plugin.stdout == stock_job_output.stdout
+    assert "tide" not in yaml.safe_load(with_plugin.stdout)
+
+
+def test_tide_enabled_selects_trainer_and_adds_subtree_only(tmp_path, stock_job_output):
+    job = _job(_main_ppo(["+tide=enabled", "--cfg", "job"], tmp_path))
+    assert job["trainer"]["v1"]["trainer_mode"] == "tide"
+    assert job.pop("tide") == defaults_as_dict()
+    stock = _job(stock_job_output)
+    stock["trainer"]["v1"]["trainer_mode"] = "tide"
+    assert job == stock  # nothing else of verl's config changed
+
+
+def test_tide_values_override_on_the_command_line(tmp_path):
+    job = _job(_main_ppo(["+tide=enabled", "tide.ctb.kv_headroom=0.5", "tide.ra2p.mode=decoupled", "--cfg", "job"],
+                         tmp_path))
+    assert job["tide"]["ctb"]["kv_headroom"] == 0.5
+    assert job["tide"]["ra2p"]["mode"] == "decoupled"
+
+
+def test_bad_values_fail_in_the_driver_before_ray_starts(tmp_path):
+    proc = _main_ppo(
+        ["+tide=enabled", "tide.ctb.kv_headroom=1.5", "tide.ra2p.mode=split", "tide.ers.tau=0",
+         "tide.ers.min_batch=64", "tide.ers.ideal_batch=32"],
+        tmp_path,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for expected in ("tide.ctb.kv_headroom = 1.5: must be 0 < x <= 1",
+                     "tide.ra2p.mode = 'split': must be one of auto | decoupled | colocated",
+                     "tide.ers.tau = 0: must be > 0",
+                     "tide.ers.min_batch = 64: must be <= tide.ers.ideal_batch"):
+        assert expected in out, out[-3000:]
+    assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
+
+
+def test_unknown_tide_key_is_rejected_with_allowed_keys(tmp_path):
+    proc = _main_ppo(["+tide=enabled", "+tide.ctb.headroom=0.5"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "tide.ctb.headroom = 0.5: unknown key; allowed keys: enabled, kv_headroom" in out
