@@ -39,3 +39,10 @@ class TideTrainer(PPOTrainer):
             "are not built yet in this release. Nothing was run. To train now, drop `+tide=enabled` "
             "(stock trainer_mode=sync) or set trainer.v1.trainer_mode to sync, colocate_async or separate_async."
         )
+
+    # PPOTrainer's abstract hooks: unreachable while init() refuses to run.
+    def on_sample_end(self) -> None:
+        raise TideNotBuiltError(f"trainer '{TRAINER_MODE}': the sampling loop is not built yet")
+
+    def on_step_end(self) -> None:
+        raise TideNotBuiltError(f"trainer '{TRAINER_MODE}': the step loop is not built yet")

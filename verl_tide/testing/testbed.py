@@ -63,7 +63,7 @@ def grpo_overrides(job: GRPOJob) -> list[str]:
         "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
         "actor_rollout_ref.ref.fsdp_config.model_dtype=fp32",
         "actor_rollout_ref.actor.fsdp_config.param_offload=False",
-        "actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
         "actor_rollout_ref.ref.fsdp_config.param_offload=False",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={job.train_batch_size}",
