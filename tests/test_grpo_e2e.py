@@ -10,31 +10,9 @@ import re
 
 import pytest
 
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, run_main_ppo
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo
 
 pytestmark = pytest.mark.testbed
-
-_STEP = re.compile(r"step:(\d+) - (.*)")
-
-
-def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
-    """verl's console logger lines `step:N - key:value - ...` as {N: {key: value}}."""
-    steps: dict[int, dict[str, float]] = {}
-    for line in output.splitlines():
-        m = _STEP.search(line)
-        if not m:
-            continue
-        metrics = {}
-        for item in m.group(2).split(" - "):
-            key, _, value = item.rpartition(":")
-            num = re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip())
-            try:
-                metrics[key] = float(num)
-            except ValueError:
-                pass
-        steps[int(m.group(1))] = metrics
-    return steps
-
 
 @pytest.fixture(scope="module")
 def job(tiny_model_path, grpo_data, tmp_path_factory) -> GRPOJob:
@@ -77,8 +55,9 @@ def test_rollout_log_probs_match_the_actor_after_a_weight_sync(stock_run):
     steps = parse_step_metrics(stock_run.output)
     step2 = steps[2]
     assert step2["training/rollout_probs_diff_valid"] == 1.0
-    assert step2["training/rollout_probs_diff_max"] < 1e-3, step2
-    assert step2["rollout_corr/log_ppl_abs_diff"] < 1e-3, step2
+    # fp32 on both sides (FSDP mixed precision and vLLM dtype): agreement to ~1e-9 was seen here.
+    assert step2["training/rollout_probs_diff_max"] < 1e-5, step2
+    assert step2["rollout_corr/log_ppl_abs_diff"] < 1e-5, step2
 
 
 def test_tide_trainer_is_built_by_task_runner_and_names_what_is_missing(job, tmp_path_factory):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 import time
@@ -160,3 +161,24 @@ def clean_shm(keep: set[str]) -> None:
                 os.remove(path)
             except OSError:
                 pass
+
+
+_STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+
+
+def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
+    """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in output.splitlines():
+        m = _STEP_LINE.search(line)
+        if not m:
+            continue
+        metrics = {}
+        for item in m.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            try:
+                metrics[key] = float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip()))
+            except ValueError:
+                pass
+        steps[int(m.group(1))] = metrics
+    return steps

