@@ -1,0 +1,116 @@
+"""Readiness signals (pure): RAS, TPRM, HoL latency, deficits, RWT/TWT."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verl_tide.readiness import (
+    ReadinessTracker,
+    post_start_gaps,
+    ready_at_start,
+    ready_gaps,
+    time_per_ready_microbatch,
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_ras_and_tprm_by_hand():
+    ready = [-3.0, 0.0, 2.0, 5.0, 11.0]
+    assert ready_at_start(ready) == 2
+    assert ready_gaps(ready) == [0.0, 0.0, 2.0, 3.0, 6.0]
+    assert post_start_gaps(ready) == [2.0, 3.0, 6.0]
+    assert time_per_ready_microbatch(ready) == pytest.approx(11.0 / 3)
+    assert time_per_ready_microbatch([-1.0, 0.0]) is None
+
+
+@given(st.lists(st.floats(min_value=-100, max_value=100), max_size=30))
+def test_gaps_reconstruct_the_last_ready_time(ready):
+    gaps = ready_gaps(ready)
+    assert len(gaps) == len(ready)
+    assert all(g >= 0 for g in gaps)
+    if ready:
+        assert sum(gaps) == pytest.approx(max(max(ready), 0.0), abs=1e-9)
+
+
+def _tracker():
+    clock = FakeClock()
+    return clock, ReadinessTracker(clock=clock, smoothing=0.5)
+
+
+def test_tracker_step_signals():
+    clock, tr = _tracker()
+    tr.micro_batch_ready("a", 8, t=0.0)
+    tr.micro_batch_ready("b", 8, t=1.0)
+    tr.step_started(t=2.0)
+    tr.micro_batch_consumed("a", t=2.0)
+    tr.micro_batch_consumed("b", t=2.5)
+    tr.micro_batch_ready("c", 8, t=4.0)
+    tr.micro_batch_consumed("c", t=4.0)
+    tr.micro_batch_ready("d", 8, t=7.0)
+    tr.micro_batch_consumed("d", t=7.0)
+    tr.trainer_waited(1.5)
+    tr.trainer_waited(3.0)
+    tr.step_finished(t=10.0)
+    tr.micro_batch_ready("e", 4, t=11.0)
+    s = tr.signals(ideal_batch=16, tau=1.0, t=20.0)
+    assert s.ready_at_start == 2
+    assert s.time_per_ready_microbatch == pytest.approx(2.5)  # gaps 2 (4-2) and 3 (7-4)
+    assert s.mean_step_time == 8.0
+    assert s.hol_latency == 9.0 and s.ready_volume == 4
+    assert s.generation_deficit  # 4 ready < B_ideal 16
+    assert s.consumption_deficit  # HoL 9 s > tau x 8 s
+    assert (s.trainer_wait_s, s.rollout_wait_s) == (4.5, 0.0)
+    assert not tr.signals(ideal_batch=4, tau=2.0, t=20.0).consumption_deficit
+
+
+def test_ras_beyond_break_even_is_a_consumption_deficit():
+    clock, tr = _tracker()
+    for i in range(5):
+        tr.micro_batch_ready(i, 4, t=0.0)
+    tr.step_started(t=1.0)
+    for i in range(5):
+        tr.micro_batch_consumed(i, t=1.0)
+    tr.step_finished(t=2.0)
+    assert tr.signals(ideal_batch=1, tau=100, ras_break_even=4, t=2.0).consumption_deficit
+    assert not tr.signals(ideal_batch=1, tau=100, ras_break_even=5, t=2.0).consumption_deficit
+
+
+def test_smoothing_and_waits_reset_per_step():
+    clock, tr = _tracker()
+    for step, (gap, dur) in enumerate([(2.0, 10.0), (4.0, 6.0)]):
+        start = step * 100.0
+        tr.step_started(t=start)
+        tr.micro_batch_ready(("x", step), 1, t=start + gap)
+        tr.micro_batch_consumed(("x", step), t=start + gap)
+        tr.rollout_waited(1.0)
+        tr.step_finished(t=start + dur)
+    s = tr.signals(ideal_batch=1, tau=1, t=200.0)
+    assert s.tprm_smoothed == pytest.approx(0.5 * 4.0 + 0.5 * 2.0)
+    assert s.mean_step_time == pytest.approx(8.0)
+    assert s.rollout_wait_s == 1.0  # only the last step's RWT
+
+
+def test_misuse_is_reported():
+    clock, tr = _tracker()
+    tr.micro_batch_ready("a", 1, t=0)
+    with pytest.raises(ValueError, match="already in the buffer"):
+        tr.micro_batch_ready("a", 1, t=0)
+    with pytest.raises(RuntimeError, match="before step_started"):
+        tr.micro_batch_consumed("a")
+    tr.step_started(t=0)
+    tr.micro_batch_consumed("a")
+    with pytest.raises(KeyError, match="consumed twice"):
+        tr.micro_batch_consumed("a")
+    with pytest.raises(ValueError, match="sequences = 0"):
+        tr.micro_batch_ready("b", 0)
+    with pytest.raises(ValueError, match="smoothing"):
+        ReadinessTracker(clock=clock, smoothing=0)

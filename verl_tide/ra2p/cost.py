@@ -1,0 +1,101 @@
+"""RA2P's analytical cost model (paper Appendix A) and the per-step mode choice.
+
+Pure Python. Times are seconds per micro-batch; the caller measures them online from the
+workers (`StageTimes.from_token_rates` scales per-token rates to a micro-batch). Ready times
+are relative to the start of the training step (<= 0: ready at start).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from verl_tide.readiness import ready_gaps
+
+
+class RA2PMode(str, Enum):
+    DECOUPLED = "decoupled"  # Ref on its own ranks, KL deferred to the Actor's backward
+    COLOCATED = "colocated"  # Ref and Actor share ranks; ready-batch aggregation
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Per-micro-batch times: Ref forward, Actor forward, Actor backward, one Ref<->Actor swap."""
+
+    t_ref: float
+    t_act_f: float
+    t_act_b: float
+    t_swap: float
+
+    def __post_init__(self) -> None:
+        for name in ("t_ref", "t_act_f", "t_act_b", "t_swap"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(f"StageTimes.{name} = {value!r}: must be >= 0 seconds")
+
+    @classmethod
+    def from_token_rates(cls, tokens: int, ref_s_per_token: float, act_f_s_per_token: float,
+                         act_b_s_per_token: float, t_swap: float) -> StageTimes:
+        return cls(tokens * ref_s_per_token, tokens * act_f_s_per_token, tokens * act_b_s_per_token, t_swap)
+
+
+def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks: int) -> float:
+    """C_dec = sum_{i<M} i*t_ref (pipeline fill) + sum_i max(delta_i, t_act_f + t_act_b)."""
+    if actor_ranks < 1:
+        raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
+    fill = sum(i * times.t_ref for i in range(actor_ranks))
+    compute = times.t_act_f + times.t_act_b
+    return fill + sum(max(gap, compute) for gap in ready_gaps(ready_times))
+
+
+def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int) -> float:
+    """C_col by simulating ready-batch aggregation: wait, swap in Ref for k ready, swap in Actor for k."""
+    if max_aggregate < 1:
+        raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+    arrivals = sorted(max(a, 0.0) for a in ready_times)
+    clock, j, n = 0.0, 0, len(arrivals)
+    while j < n:
+        clock = max(clock, arrivals[j])
+        k = 1
+        while j + k < n and k < max_aggregate and arrivals[j + k] <= clock:
+            k += 1
+        clock += times.t_swap + k * times.t_ref
+        clock += times.t_swap + k * (times.t_act_f + times.t_act_b)
+        j += k
+    return clock
+
+
+@dataclass(frozen=True)
+class ModeChoice:
+    mode: RA2PMode
+    decoupled_s: float
+    colocated_s: float
+    reason: str
+
+
+def choose_mode(ready_times: Sequence[float], times: StageTimes, actor_ranks: int, max_aggregate: int,
+                previous: Optional[RA2PMode] = None, hysteresis: float = 0.1) -> ModeChoice:
+    """The cheaper mode; a switch away from `previous` needs a relative gain above `hysteresis`."""
+    if not 0 <= hysteresis < 1:
+        raise ValueError(f"hysteresis = {hysteresis!r}: must be 0 <= x < 1")
+    c_dec = decoupled_cost(ready_times, times, actor_ranks)
+    c_col = colocated_cost(ready_times, times, max_aggregate)
+    best = RA2PMode.DECOUPLED if c_dec < c_col else RA2PMode.COLOCATED
+    cost = {RA2PMode.DECOUPLED: c_dec, RA2PMode.COLOCATED: c_col}
+    if previous is not None and best is not previous and cost[best] > (1 - hysteresis) * cost[previous]:
+        return ModeChoice(previous, c_dec, c_col,
+                          f"keep {previous.value}: {best.value} saves less than {hysteresis:.0%}")
+    return ModeChoice(best, c_dec, c_col, f"{best.value}: C_dec={c_dec:.3f}s C_col={c_col:.3f}s")
+
+
+def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTimes, actor_ranks: int,
+                             max_aggregate: int) -> Optional[int]:
+    """Smallest ready-at-start count N0 for which decoupled is no slower than colocated, when the
+    other micro-batches arrive every `tprm` seconds; None if colocated wins even with all ready."""
+    for n0 in range(n_micro_batches + 1):
+        ready = [0.0] * n0 + [tprm * (k + 1) for k in range(n_micro_batches - n0)]
+        if decoupled_cost(ready, times, actor_ranks) <= colocated_cost(ready, times, max_aggregate):
+            return n0
+    return None

@@ -1,0 +1,166 @@
+"""Readiness signals of the global trajectory buffer, computed in one place for RA2P and ERS.
+
+Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Sec. 5, App. A):
+
+- ready-at-start (RAS, N0): micro-batches already ready when a training step begins;
+- time per ready micro-batch (TPRM): the post-start gaps between later ready times;
+- head-of-line (HoL) latency: how long the oldest ready, unconsumed micro-batch has waited;
+- generation deficit: ready volume below B_ideal (rollout is the bottleneck, TWT grows);
+- consumption deficit: HoL latency above tau x mean step time, or RAS beyond the decoupled
+  break-even point (the trainer is the bottleneck, RWT grows);
+- RWT / TWT: rollout and trainer wait time, accounted per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def ready_at_start(ready_times: Sequence[float]) -> int:
+    """N0 = |{i : a_i <= 0}| for ready times relative to the step start."""
+    return sum(1 for a in ready_times if a <= 0)
+
+
+def ready_gaps(ready_times: Sequence[float]) -> list[float]:
+    """delta_i for every micro-batch (App. A): 0 for i <= N0, delta_{N0+1} = max(a_{N0+1}, 0),
+    then a_i - a_{i-1}."""
+    times = sorted(ready_times)
+    n0 = ready_at_start(times)
+    gaps = [0.0] * n0
+    for i in range(n0, len(times)):
+        gaps.append(max(times[i], 0.0) if i == n0 else times[i] - times[i - 1])
+    return gaps
+
+
+def post_start_gaps(ready_times: Sequence[float]) -> list[float]:
+    """The gaps delta_i for i > N0: what TPRM summarizes."""
+    return ready_gaps(ready_times)[ready_at_start(ready_times):]
+
+
+def time_per_ready_microbatch(ready_times: Sequence[float]) -> Optional[float]:
+    """Mean post-start gap (TPRM); None when every micro-batch was ready at the start."""
+    gaps = post_start_gaps(ready_times)
+    return sum(gaps) / len(gaps) if gaps else None
+
+
+@dataclass(frozen=True)
+class ReadinessSignals:
+    """What RA2P's mode choice and ERS's scaling plan read after a step."""
+
+    ready_at_start: int
+    time_per_ready_microbatch: Optional[float]  # last step's TPRM (seconds), None if all ready at start
+    tprm_smoothed: Optional[float]  # exponentially smoothed TPRM
+    hol_latency: float  # seconds the oldest unconsumed ready micro-batch has waited (0 if none)
+    ready_volume: int  # sequences ready and not yet consumed
+    mean_step_time: Optional[float]
+    generation_deficit: bool
+    consumption_deficit: bool
+    rollout_wait_s: float  # RWT of the last step
+    trainer_wait_s: float  # TWT of the last step
+
+
+@dataclass
+class _Ready:
+    at: float
+    sequences: int
+
+
+@dataclass
+class ReadinessTracker:
+    """Follows micro-batches through the global buffer and derives `ReadinessSignals`.
+
+    Feed it events as they happen: `micro_batch_ready`, `step_started`, `micro_batch_consumed`,
+    `step_finished`, plus measured waits (`rollout_waited`, `trainer_waited`). Every time is
+    taken from `clock` unless given, so the simulator and tests drive it deterministically.
+    """
+
+    clock: Callable[[], float]
+    smoothing: float = 0.3  # weight of the newest TPRM / step time in the moving averages
+    _ready: dict[Hashable, _Ready] = field(default_factory=dict)
+    _step_start: Optional[float] = None
+    _step_ready_times: list[float] = field(default_factory=list)
+    _last_ras: int = 0
+    _last_tprm: Optional[float] = None
+    _tprm_smoothed: Optional[float] = None
+    _mean_step_time: Optional[float] = None
+    _rwt: float = 0.0
+    _twt: float = 0.0
+    _last_rwt: float = 0.0
+    _last_twt: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.smoothing <= 1:
+            raise ValueError(f"ReadinessTracker.smoothing = {self.smoothing!r}: must be 0 < x <= 1")
+
+    def _now(self, t: Optional[float]) -> float:
+        return self.clock() if t is None else t
+
+    def micro_batch_ready(self, mb_id: Hashable, sequences: int, t: Optional[float] = None) -> None:
+        """A micro-batch entered the global buffer (all its trajectories, whole GRPO groups, are done)."""
+        if mb_id in self._ready:
+            raise ValueError(f"micro-batch {mb_id!r} is already in the buffer")
+        if sequences <= 0:
+            raise ValueError(f"micro-batch {mb_id!r}: sequences = {sequences}, must be > 0")
+        self._ready[mb_id] = _Ready(self._now(t), sequences)
+
+    def step_started(self, t: Optional[float] = None) -> None:
+        self._step_start = self._now(t)
+        self._step_ready_times = []
+
+    def micro_batch_consumed(self, mb_id: Hashable, t: Optional[float] = None) -> None:
+        """The trainer took the micro-batch (its ready time counts towards this step's RAS/TPRM)."""
+        if self._step_start is None:
+            raise RuntimeError("micro_batch_consumed before step_started")
+        try:
+            ready = self._ready.pop(mb_id)
+        except KeyError:
+            raise KeyError(f"micro-batch {mb_id!r} was never reported ready (or was consumed twice)") from None
+        self._step_ready_times.append(ready.at - self._step_start)
+
+    def rollout_waited(self, seconds: float) -> None:
+        """Rollout idled (staleness bound reached, buffer full, waiting for weights)."""
+        self._rwt += max(0.0, seconds)
+
+    def trainer_waited(self, seconds: float) -> None:
+        """The trainer idled for want of a ready micro-batch."""
+        self._twt += max(0.0, seconds)
+
+    def step_finished(self, t: Optional[float] = None) -> None:
+        if self._step_start is None:
+            raise RuntimeError("step_finished before step_started")
+        duration = self._now(t) - self._step_start
+        self._last_ras = ready_at_start(self._step_ready_times)
+        self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
+        if self._last_tprm is not None:
+            self._tprm_smoothed = _ewma(self._tprm_smoothed, self._last_tprm, self.smoothing)
+        self._mean_step_time = _ewma(self._mean_step_time, duration, self.smoothing)
+        self._last_rwt, self._last_twt = self._rwt, self._twt
+        self._rwt = self._twt = 0.0
+        self._step_start = None
+
+    def signals(self, ideal_batch: int, tau: float, ras_break_even: Optional[int] = None,
+                t: Optional[float] = None) -> ReadinessSignals:
+        """Signals after the last finished step. `ras_break_even` comes from RA2P's cost model."""
+        now = self._now(t)
+        hol = max((now - r.at for r in self._ready.values()), default=0.0)
+        volume = sum(r.sequences for r in self._ready.values())
+        hol_too_old = self._mean_step_time is not None and hol > tau * self._mean_step_time
+        backlog = ras_break_even is not None and self._last_ras > ras_break_even
+        return ReadinessSignals(
+            ready_at_start=self._last_ras,
+            time_per_ready_microbatch=self._last_tprm,
+            tprm_smoothed=self._tprm_smoothed,
+            hol_latency=hol,
+            ready_volume=volume,
+            mean_step_time=self._mean_step_time,
+            generation_deficit=volume < ideal_batch,
+            consumption_deficit=hol_too_old or backlog,
+            rollout_wait_s=self._last_rwt,
+            trainer_wait_s=self._last_twt,
+        )
+
+
+def _ewma(old: Optional[float], new: float, alpha: float) -> float:
+    return new if old is None else alpha * new + (1 - alpha) * old
