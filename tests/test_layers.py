@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["verl_tide.config", "verl_tide.readiness", "verl_tide.ra2p.cost"]
+PURE = ["verl_tide.config", "verl_tide.readiness", "verl_tide.ra2p.cost", "verl_tide.ers.policy"]
 HEAVY = ["verl", "ray", "torch", "omegaconf", "hydra", "vllm"]
 
 

@@ -1,0 +1,140 @@
+"""ERS's scaling policy (pure): directions, limits, confirmation, cooldown, elastic batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_tide.config import ERSConfig
+from verl_tide.ers.policy import ERSPolicy, Phase, Role
+from verl_tide.ra2p.cost import RA2PMode
+from verl_tide.readiness import ReadinessSignals
+
+
+def signals(gen: bool = False, cons: bool = False, ready: int = 8) -> ReadinessSignals:
+    return ReadinessSignals(ready_at_start=2, time_per_ready_microbatch=1.0, tprm_smoothed=1.0, hol_latency=3.0,
+                            ready_volume=ready, mean_step_time=10.0, generation_deficit=gen,
+                            consumption_deficit=cons, rollout_wait_s=0.0, trainer_wait_s=0.0)
+
+
+def roles(n_rollout: int, n_ref: int) -> dict[int, Role]:
+    return {i: Role.ROLLOUT if i < n_rollout else Role.REF for i in range(n_rollout + n_ref)}
+
+
+def apply(r: dict[int, Role], plan) -> dict[int, Role]:
+    r = dict(r)
+    for m in plan.moves:
+        assert r[m.rank] is m.src
+        r[m.rank] = m.dst
+    return r
+
+
+def policy(**cfg) -> ERSPolicy:
+    return ERSPolicy(config=dataclasses.replace(ERSConfig(), **cfg), ideal_batch=16)
+
+
+def test_consumption_deficit_moves_a_rollout_rank_to_ref_after_confirmation():
+    p = policy()
+    first = p.plan(1, signals(cons=True), roles(4, 0))
+    assert first.moves == () and "confirmation (1/2)" in first.reason
+    second = p.plan(2, signals(cons=True), roles(4, 0))
+    assert [(m.rank, m.src, m.dst) for m in second.moves] == [(3, Role.ROLLOUT, Role.REF)]
+    assert second.ra2p_mode is RA2PMode.DECOUPLED
+    assert second.retain_ready_data
+    assert "consumption deficit" in second.reason
+
+
+def test_generation_deficit_returns_a_ref_rank_to_rollout():
+    p = policy()
+    r = roles(3, 1)
+    p.plan(1, signals(gen=True, ready=2), r)
+    plan = p.plan(2, signals(gen=True, ready=2), r)
+    assert [(m.rank, m.dst) for m in plan.moves] == [(3, Role.ROLLOUT)]
+    assert plan.ra2p_mode is RA2PMode.COLOCATED and not plan.retain_ready_data
+
+
+def test_limits_min_rollout_max_ref_and_moves_per_step():
+    p = policy(max_moves_per_step=3, min_rollout_ranks=2, max_ref_ranks=1, cooldown_steps=0)
+    p.plan(1, signals(cons=True), roles(4, 0))
+    plan = p.plan(2, signals(cons=True), roles(4, 0))
+    assert len(plan.moves) == 1  # max_ref_ranks=1 caps it below max_moves_per_step=3
+    p2 = policy(max_moves_per_step=3, min_rollout_ranks=2)
+    p2.plan(1, signals(cons=True), roles(3, 0))
+    assert len(p2.plan(2, signals(cons=True), roles(3, 0)).moves) == 1  # keeps 2 rollout ranks
+    p3 = policy(min_rollout_ranks=1)
+    p3.plan(1, signals(cons=True), roles(1, 0))
+    none = p3.plan(2, signals(cons=True), roles(1, 0))
+    assert none.moves == () and "no rollout rank may move" in none.reason
+
+
+def test_cold_start_and_eval_preemptively_maximize_rollout():
+    p = policy(max_moves_per_step=2)
+    plan = p.plan(0, signals(), roles(2, 2), phase=Phase.COLD_START)
+    assert {m.rank for m in plan.moves} == {2, 3} and all(m.dst is Role.ROLLOUT for m in plan.moves)
+    assert plan.ra2p_mode is RA2PMode.COLOCATED and "cold_start" in plan.reason
+    assert p.plan(1, signals(), roles(4, 0), phase=Phase.EVAL).moves == ()
+
+
+def test_balanced_or_both_deficits_hold():
+    p = policy()
+    for s in (signals(), signals(gen=True, cons=True)):
+        assert p.plan(1, s, roles(2, 1)).moves == ()
+        assert p.plan(2, s, roles(2, 1)).moves == ()
+
+
+def test_disabled_never_moves():
+    p = policy(enabled=False)
+    for step in range(5):
+        assert p.plan(step, signals(cons=True), roles(4, 0)).moves == ()
+
+
+def test_alternating_signals_never_move_anything():
+    p = policy()
+    r = roles(3, 1)
+    for step in range(40):
+        plan = p.plan(step, signals(cons=step % 2 == 0, gen=step % 2 == 1, ready=4), r)
+        assert plan.moves == ()
+
+
+def test_elastic_batch_within_bounds():
+    p = ERSPolicy(config=dataclasses.replace(ERSConfig(), min_batch=4), ideal_batch=16)
+    assert [p.elastic_batch(v) for v in (0, 3, 4, 9, 16, 50)] == [4, 4, 4, 9, 16, 16]
+    assert ERSPolicy(config=ERSConfig(), ideal_batch=16).min_batch == 16  # null B_min = B_ideal
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    seq=st.lists(st.tuples(st.booleans(), st.booleans(), st.sampled_from(list(Phase))), min_size=1, max_size=60),
+    cooldown=st.integers(0, 5),
+    max_moves=st.integers(0, 3),
+    confirm=st.integers(1, 3),
+)
+def test_invariants_under_arbitrary_signal_sequences(seq, cooldown, max_moves, confirm):
+    cfg = dataclasses.replace(ERSConfig(), cooldown_steps=cooldown, max_moves_per_step=max_moves,
+                              min_rollout_ranks=2, max_ref_ranks=3)
+    p = ERSPolicy(config=cfg, ideal_batch=16, confirm_steps=confirm)
+    r = roles(5, 1)
+    history: dict[int, list[tuple[int, Role, Role]]] = {}
+    for step, (gen, cons, phase) in enumerate(seq):
+        plan = p.plan(step, signals(gen=gen, cons=cons), r, phase=phase)
+        assert len(plan.moves) <= max_moves
+        assert len({m.rank for m in plan.moves}) == len(plan.moves)
+        assert plan.reason
+        r = apply(r, plan)
+        assert sum(x is Role.ROLLOUT for x in r.values()) >= 2
+        assert sum(x is Role.REF for x in r.values()) <= 3
+        for m in plan.moves:
+            for prev_step, src, dst in history.get(m.rank, []):
+                if m.dst is src and m.src is dst:  # moving back
+                    assert step - prev_step >= cooldown, (m, prev_step, step)
+            history.setdefault(m.rank, []).append((step, m.src, m.dst))
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="ideal_batch"):
+        ERSPolicy(config=ERSConfig(), ideal_batch=0)
+    with pytest.raises(ValueError, match="confirm_steps"):
+        ERSPolicy(config=ERSConfig(), ideal_batch=1, confirm_steps=0)

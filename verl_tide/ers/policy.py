@@ -1,0 +1,138 @@
+"""ERS's scaling policy: one plan per step, after the actor update and before the weight sync.
+
+Pure Python. It reads the shared `ReadinessSignals` and the current role of every elastic rank
+and returns a `ScalingPlan` that says which ranks move, which RA2P mode the next step uses, the
+elastic batch size, and why. Noise protection: a direction must be seen on `confirm_steps`
+consecutive plans before a rank moves, a moved rank may not move back within
+`cooldown_steps`, and at most `max_moves_per_step` ranks move per plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from verl_tide.config import ERSConfig
+from verl_tide.ra2p.cost import RA2PMode
+from verl_tide.readiness import ReadinessSignals
+
+
+class Role(str, Enum):
+    ROLLOUT = "rollout"
+    REF = "ref"
+
+
+class Phase(str, Enum):
+    TRAIN = "train"
+    COLD_START = "cold_start"  # buffer empty at job start: generation dominates
+    EVAL = "eval"  # evaluation tasks running: generation dominates
+
+
+@dataclass(frozen=True)
+class RankMove:
+    rank: int
+    src: Role
+    dst: Role
+
+
+@dataclass(frozen=True)
+class ScalingPlan:
+    step: int
+    moves: tuple[RankMove, ...]
+    ra2p_mode: RA2PMode
+    batch_size: int
+    retain_ready_data: bool  # after a rollout scale-down, keep ready data instead of dropping it as stale
+    reason: str
+
+
+@dataclass
+class ERSPolicy:
+    config: ERSConfig
+    ideal_batch: int  # resolved B_ideal (config value or data.train_batch_size)
+    confirm_steps: int = 2
+    _last_moved: dict[int, tuple[int, Role]] = field(default_factory=dict)  # rank -> (step, role it left)
+    _streak: tuple[Optional[Role], int] = (None, 0)  # (direction's destination, consecutive plans)
+
+    def __post_init__(self) -> None:
+        if self.ideal_batch < 1:
+            raise ValueError(f"ERSPolicy.ideal_batch = {self.ideal_batch}: must be >= 1")
+        if self.confirm_steps < 1:
+            raise ValueError(f"ERSPolicy.confirm_steps = {self.confirm_steps}: must be >= 1")
+
+    @property
+    def min_batch(self) -> int:
+        return min(self.config.min_batch or self.ideal_batch, self.ideal_batch)
+
+    def elastic_batch(self, ready_volume: int) -> int:
+        """Consume what is ready, within [B_min, B_ideal]."""
+        return max(self.min_batch, min(ready_volume, self.ideal_batch))
+
+    def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
+             phase: Phase = Phase.TRAIN) -> ScalingPlan:
+        batch = self.elastic_batch(signals.ready_volume)
+        if not self.config.enabled:
+            return self._hold(step, roles, batch, "ERS disabled")
+        if phase is not Phase.TRAIN:
+            # Preemptive rollout allocation: do not wait for RAS/TPRM to show starvation.
+            self._streak = (None, 0)
+            moves = self._moves(step, roles, Role.REF, Role.ROLLOUT)
+            return self._finish(step, moves, RA2PMode.COLOCATED, batch, False,
+                                f"{phase.value}: generation dominates, preemptively maximize rollout")
+        if signals.generation_deficit and not signals.consumption_deficit:
+            want, mode = Role.ROLLOUT, RA2PMode.COLOCATED
+            why = f"generation deficit: {signals.ready_volume} ready < B_ideal {self.ideal_batch}"
+        elif signals.consumption_deficit and not signals.generation_deficit:
+            want, mode = Role.REF, RA2PMode.DECOUPLED
+            why = (f"consumption deficit: HoL {signals.hol_latency:.2f}s, RAS {signals.ready_at_start}, "
+                   f"{signals.ready_volume} ready")
+        else:
+            self._streak = (None, 0)
+            state = "both deficits" if signals.generation_deficit else "balanced"
+            return self._hold(step, roles, batch, f"{state}: no move")
+        dest, count = self._streak
+        self._streak = (want, count + 1 if dest is want else 1)
+        if self._streak[1] < self.confirm_steps:
+            return self._finish(step, (), mode, batch, False,
+                                f"{why}; waiting for confirmation ({self._streak[1]}/{self.confirm_steps})")
+        src = Role.ROLLOUT if want is Role.REF else Role.REF
+        moves = self._moves(step, roles, src, want)
+        if not moves:
+            return self._finish(step, (), mode, batch, False, f"{why}; no {src.value} rank may move (limits/cooldown)")
+        return self._finish(step, moves, mode, batch, want is Role.REF, f"{why}; move {len(moves)} {src.value} -> {want.value}")
+
+    def _hold(self, step: int, roles: Mapping[int, Role], batch: int, reason: str) -> ScalingPlan:
+        mode = RA2PMode.DECOUPLED if any(r is Role.REF for r in roles.values()) else RA2PMode.COLOCATED
+        return ScalingPlan(step, (), mode, batch, False, reason)
+
+    def _finish(self, step: int, moves: tuple[RankMove, ...], mode: RA2PMode, batch: int, retain: bool,
+                reason: str) -> ScalingPlan:
+        for m in moves:
+            self._last_moved[m.rank] = (step, m.src)
+        if moves:
+            self._streak = (None, 0)
+        return ScalingPlan(step, moves, mode, batch, retain, reason)
+
+    def _moves(self, step: int, roles: Mapping[int, Role], src: Role, dst: Role) -> tuple[RankMove, ...]:
+        n_rollout = sum(1 for r in roles.values() if r is Role.ROLLOUT)
+        n_ref = len(roles) - n_rollout
+        if src is Role.ROLLOUT:
+            budget = n_rollout - self.config.min_rollout_ranks
+            if self.config.max_ref_ranks is not None:
+                budget = min(budget, self.config.max_ref_ranks - n_ref)
+        else:
+            budget = n_ref
+        budget = min(budget, self.config.max_moves_per_step)
+        moves: list[RankMove] = []
+        for rank in sorted(roles, reverse=src is Role.ROLLOUT):  # highest rollout ranks leave first
+            if len(moves) >= budget:
+                break
+            if roles[rank] is not src or self._in_cooldown(rank, step, dst):
+                continue
+            moves.append(RankMove(rank, src, dst))
+        return tuple(moves)
+
+    def _in_cooldown(self, rank: int, step: int, dst: Role) -> bool:
+        last = self._last_moved.get(rank)
+        return last is not None and last[1] is dst and step - last[0] < self.config.cooldown_steps
