@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from verl_tide.config import TideConfig
 from verl_tide.job_config import tide_config_from_job
@@ -22,6 +22,3 @@ class ValidateTideConfig(Callback):
     def __init__(self, tide: Any = None, trainer_mode: Any = None) -> None:
         job = OmegaConf.create({"tide": tide, "trainer": {"v1": {"trainer_mode": trainer_mode}}})
         self.tide_config: TideConfig = tide_config_from_job(job)
-
-    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        return None

@@ -9,12 +9,11 @@
 All of it goes through verl's registries; no verl attribute is reassigned.
 
 verl logs entry-point failures at DEBUG only, so every failure here is written to stderr
-and to the `verl_tide` logger at ERROR, kept in `REGISTRATION_ERRORS`, and re-raised.
+(Ray forwards workers' stderr to the driver) and kept in `REGISTRATION_ERRORS`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import traceback
@@ -22,8 +21,6 @@ from collections.abc import Callable
 from types import ModuleType
 
 from verl_tide.import_hooks import when_imported
-
-logger = logging.getLogger("verl_tide")
 
 TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1.trainer_base"
 ROLLOUT_REGISTRY_MODULE = "verl.workers.rollout.replica"
@@ -36,7 +33,7 @@ def cpu_test_bed_selected() -> bool:
 
 
 def _loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
-    """Run one registration; on failure say so on stderr and at ERROR.
+    """Run one registration; on failure say so on stderr.
 
     Inside a post-import hook the error is not re-raised: that would fail verl's own import
     of the registry module and break stock verl along with the plugin.
@@ -47,7 +44,6 @@ def _loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
         detail = traceback.format_exc()
         REGISTRATION_ERRORS.append(f"{what}: {detail}")
         message = f"verl-tide: {what} FAILED in pid {os.getpid()}; the plugin is not usable here.\n{detail}"
-        logger.error(message)
         print(message, file=sys.stderr, flush=True)
         if reraise:
             raise
