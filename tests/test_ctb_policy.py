@@ -1,0 +1,215 @@
+"""CTB's policy (pure): Algorithm 1 by hand, and its invariants under arbitrary event sequences."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_tide.config import CTBConfig
+from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+
+
+def sched(capacity: dict, **cfg) -> CTBScheduler:
+    return CTBScheduler(dataclasses.replace(CTBConfig(), **{"kv_headroom": 1.0, **cfg}), capacity)
+
+
+def test_budget_is_capacity_times_headroom():
+    s = CTBScheduler(dataclasses.replace(CTBConfig(), kv_headroom=0.75), {0: 1000})
+    assert s.ranks[0].budget == 750
+
+
+def test_probe_admits_one_task_per_group_until_its_first_turn():
+    s = sched({0: 1000})
+    for i in range(4):
+        s.add_task(i, group_id="g", prompt_tokens=50, group_size=4)
+    assert [d.task_id for d in s.tick().admissions] == [0]
+    assert s.tick().admissions == []  # the probe has not reported yet
+    s.turn_started(0, 120)
+    out = s.tick()
+    assert [d.task_id for d in out.admissions] == [1, 2, 3]
+    assert s.ranks[0].usage == 4 * 120  # the others are charged the probed footprint
+
+
+def test_pause_lowest_priority_when_over_budget_and_resume_with_affinity():
+    s = sched({0: 300}, probe_first_turn=False)
+    s.add_task("eval", group_id="e", prompt_tokens=100, is_eval=True)
+    s.add_task("a", group_id="g", prompt_tokens=100, group_size=2)
+    assert len(s.tick().admissions) == 2
+    s.turn_started("a", 160)
+    s.turn_started("eval", 150)  # 310 > 300; the eval task is not generating any more than "a"
+    out = s.tick()
+    assert [d.task_id for d in out.pauses] == ["a"]  # never the eval task
+    assert "310 > 300" in out.pauses[0].reason
+    assert s.tasks["a"].state is TaskState.PAUSED and s.tasks["a"].rank == 0
+    assert s.ranks[0].usage == 150
+    s.task_finished("eval")
+    out = s.tick()
+    assert [(d.task_id, d.rank) for d in out.resumes] == [("a", 0)]
+    assert "prefix" in out.resumes[0].reason
+    assert s.ranks[0].usage == 160
+
+
+def test_resume_falls_back_when_affinity_rank_has_no_headroom():
+    s = sched({0: 300}, probe_first_turn=False)
+    s.add_task("x", group_id="x", prompt_tokens=150)
+    s.add_task("y", group_id="y", prompt_tokens=100)
+    assert len(s.tick().admissions) == 2
+    s.add_rank(1, 500)
+    s.turn_started("x", 260)  # 360 > 300 on rank 0
+    out = s.tick()
+    assert [d.task_id for d in out.pauses] == ["y"]  # "x" is generating: higher priority
+    assert [(d.task_id, d.rank) for d in out.resumes] == [("y", 1)]
+    assert "affinity rank has no headroom" in out.resumes[0].reason
+
+
+def test_paused_tasks_block_new_admissions():
+    s = sched({0: 100}, probe_first_turn=False)
+    s.add_task("big", group_id="b", prompt_tokens=60)
+    s.add_task("small", group_id="s", prompt_tokens=30)
+    s.tick()
+    s.turn_started("big", 70)
+    s.turn_started("small", 40)  # 110 > 100
+    out = s.tick()
+    paused = [d.task_id for d in out.pauses]
+    assert len(paused) == 1
+    s.add_task("new", group_id="n", prompt_tokens=5)
+    out = s.tick()
+    assert out.admissions == []  # a paused task is waiting
+
+
+def test_oversize_task_is_dropped_failed_and_counted():
+    s = sched({0: 100, 1: 100}, probe_first_turn=False)
+    s.add_task("huge", group_id="h", prompt_tokens=150)
+    out = s.tick()
+    assert [d.task_id for d in out.failed] == ["huge"]
+    assert s.tasks["huge"].outcome is Outcome.DROPPED_FAILED
+    assert "exceeds the largest rank budget 100" in s.tasks["huge"].reason
+    assert s.counters["dropped_failed"] == 1
+
+
+def test_env_concurrency_and_staleness_throttle():
+    s = sched({0: 10_000}, probe_first_turn=False, env_concurrency=2)
+    for i in range(5):
+        s.add_task(i, group_id=i, prompt_tokens=10)
+    assert len(s.tick().admissions) == 2
+    s2 = sched({0: 10_000}, probe_first_turn=False)
+    for i in range(5):
+        s2.add_task(i, group_id=i, prompt_tokens=10)
+    s2.set_admission_allowance(3)
+    assert len(s2.tick().admissions) == 3
+    assert s2.tick().admissions == []
+    s2.set_admission_allowance(None)
+    assert len(s2.tick().admissions) == 2
+
+
+def test_diversity_penalty_spreads_task_types():
+    s = sched({0: 1000, 1: 1000}, probe_first_turn=False, diversity_penalty=1.0)
+    for i in range(4):
+        s.add_task(i, group_id=i, prompt_tokens=10, task_type="webshop")
+    ranks = [d.rank for d in s.tick().admissions]
+    assert sorted(ranks) == [0, 0, 1, 1]
+
+
+def test_removed_rank_hands_its_tasks_back_without_loss():
+    s = sched({0: 1000, 1: 1000}, probe_first_turn=False)
+    for i in range(4):
+        s.add_task(i, group_id=i, prompt_tokens=100)
+    s.tick()
+    on0 = {t.task_id for t in s.tasks.values() if t.rank == 0}
+    moved = s.remove_rank(0)
+    assert set(moved) == on0
+    assert all(s.tasks[t].state is TaskState.PAUSED and s.tasks[t].rank is None for t in moved)
+    out = s.tick()
+    assert {d.task_id for d in out.resumes} == on0 and all(d.rank == 1 for d in out.resumes)
+
+
+def test_priority_defaults_keep_table_1_order():
+    s = sched({0: 10_000})
+    s.add_task("eval", group_id="e", prompt_tokens=90_000, is_eval=True)
+    s.add_task("near_done", group_id="g", prompt_tokens=10, group_size=2)
+    s.add_task("g2", group_id="g", prompt_tokens=10, group_size=2)
+    s.add_task("long", group_id="l", prompt_tokens=90_000)
+    s.task_finished("g2")
+    p = {t: s.priority(s.tasks[t]) for t in ("eval", "near_done", "long")}
+    assert p["eval"] > p["near_done"] > p["long"]
+
+
+def test_misuse_is_reported():
+    s = sched({0: 100})
+    s.add_task("a", group_id="a", prompt_tokens=10)
+    with pytest.raises(ValueError, match="already added"):
+        s.add_task("a", group_id="a", prompt_tokens=10)
+    with pytest.raises(ValueError, match="only a resident task"):
+        s.turn_started("a", 10)
+    with pytest.raises(KeyError, match="unknown"):
+        s.turn_finished("nope")
+    s.task_finished("a", Outcome.DROPPED_STALE)
+    with pytest.raises(ValueError, match="already finished"):
+        s.task_finished("a")
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 7), st.integers(10, 300), st.booleans()),
+        st.tuples(st.just("turn"), st.integers(0, 60), st.integers(1, 150)),
+        st.tuples(st.just("end_turn"), st.integers(0, 60)),
+        st.tuples(st.just("finish"), st.integers(0, 60), st.sampled_from(list(Outcome))),
+        st.tuples(st.just("tick"),),
+        st.tuples(st.just("remove_rank"), st.integers(0, 3)),
+        st.tuples(st.just("add_rank"), st.integers(0, 3), st.integers(200, 1000)),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, probe=st.booleans())
+def test_invariants_under_arbitrary_event_sequences(ops, probe):
+    s = sched({0: 600, 1: 400}, probe_first_turn=probe, diversity_penalty=0.05)
+    added = 0
+    for op in ops:
+        kind = op[0]
+        live = [t for t in s.tasks.values() if t.state is not TaskState.DONE]
+        if kind == "add":
+            s.add_task(added, group_id=op[1], prompt_tokens=op[2], group_size=4, is_eval=op[3] and op[1] == 0)
+            added += 1
+        elif kind == "turn" and live:
+            resident = [t for t in live if t.state is TaskState.RESIDENT]
+            if resident:
+                t = resident[op[1] % len(resident)]
+                s.turn_started(t.task_id, max(t.context_tokens, t.prompt_tokens) + op[2])
+        elif kind == "end_turn" and live:
+            s.turn_finished(live[op[1] % len(live)].task_id)
+        elif kind == "finish" and live:
+            s.task_finished(live[op[1] % len(live)].task_id, op[2])
+        elif kind == "remove_rank" and op[1] in s.ranks and len(s.ranks) > 1:
+            s.remove_rank(op[1])
+        elif kind == "add_rank" and op[1] not in s.ranks:
+            s.add_rank(op[1], op[2])
+        elif kind == "tick":
+            out = s.tick()
+            decided = [d.task_id for d in out.pauses + out.resumes + out.admissions + out.failed]
+            assert len(decided) == len(set(decided)) or {d.task_id for d in out.pauses} & {d.task_id for d in out.resumes}
+            for rank_id, rank in s.ranks.items():
+                resident = [t for t in s.tasks.values() if t.state is TaskState.RESIDENT and t.rank == rank_id]
+                assert rank.usage == sum(t.charged for t in resident)  # accounting
+                assert rank.usage <= rank.budget  # no rank over budget after a tick
+            paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
+            if out.admissions:
+                assert not paused_now  # paused tasks resume before new admissions
+            for d in out.pauses:
+                t = s.tasks[d.task_id]
+                if t.state is TaskState.PAUSED:
+                    for other in s.tasks.values():
+                        if other.state is TaskState.RESIDENT and other.rank == d.rank:
+                            assert s.priority(other) >= s.priority(t)  # never paused under a lower one
+    # nothing lost or duplicated: every task added is in exactly one state, outcomes counted once
+    assert len(s.tasks) == added
+    done = [t for t in s.tasks.values() if t.state is TaskState.DONE]
+    assert sum(s.counters[o.value] for o in Outcome) == len(done)
+    for t in s.tasks.values():
+        if t.state is TaskState.RESIDENT:
+            assert t.rank in s.ranks

@@ -1,0 +1,1 @@
+"""CTB: Continuous Task Batching on rollout ranks (paper Sec. 4)."""

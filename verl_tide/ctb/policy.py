@@ -1,0 +1,286 @@
+"""CTB's scheduling policy: task-level admission, pausing and resuming on rollout ranks (paper Sec. 4, Alg. 1).
+
+Pure Python, deterministic. The mechanism (router / agent-loop manager) reports what happens —
+tasks arrive, a turn starts with its real context length, a turn generates, a task ends — and
+calls `tick()`, which returns the pauses, resumes and admissions to carry out at the next turn
+boundaries. Verbs and states follow vLLM's scheduler: a few calls, an explicit state per task.
+
+Budgets: each rank may hold `floor(kv_capacity_tokens * kv_headroom)` tokens of resident tasks'
+contexts. A paused task holds no budget (the engine may evict its KV); it remembers the rank that
+held it, and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from verl_tide.config import CTBConfig
+
+TaskId = Hashable
+RankId = Hashable
+
+
+class TaskState(str, Enum):
+    QUEUED = "queued"  # known, never admitted
+    RESIDENT = "resident"  # admitted to a rank; its context is charged to that rank's budget
+    PAUSED = "paused"  # taken off its rank at a turn boundary; holds no budget
+    DONE = "done"  # finished (consumed, dropped stale or dropped failed)
+
+
+class Outcome(str, Enum):
+    CONSUMED = "consumed"
+    DROPPED_STALE = "dropped_stale"
+    DROPPED_FAILED = "dropped_failed"
+
+
+@dataclass
+class Task:
+    task_id: TaskId
+    group_id: Hashable
+    group_size: int
+    task_type: str
+    is_eval: bool
+    prompt_tokens: int
+    state: TaskState = TaskState.QUEUED
+    rank: Optional[RankId] = None  # resident rank, or the rank whose cache held it (affinity) when paused
+    seq: int = 0  # arrival order: the deterministic tie-break
+    context_tokens: int = 0  # last reported real context length; 0 before the first turn
+    charged: int = 0  # tokens charged to `rank`'s budget while resident
+    generating: bool = False
+    outcome: Optional[Outcome] = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Decision:
+    task_id: TaskId
+    rank: RankId
+    reason: str
+
+
+@dataclass
+class SchedulerOutput:
+    pauses: list[Decision] = field(default_factory=list)
+    resumes: list[Decision] = field(default_factory=list)
+    admissions: list[Decision] = field(default_factory=list)
+    failed: list[Decision] = field(default_factory=list)  # tasks no rank can ever hold
+
+
+@dataclass
+class _Rank:
+    budget: int
+    usage: int = 0
+    type_counts: dict[str, int] = field(default_factory=dict)
+
+
+class CTBScheduler:
+    def __init__(self, config: CTBConfig, rank_kv_capacity: dict[RankId, int]):
+        self.config = config
+        self.tasks: dict[TaskId, Task] = {}
+        self.ranks: dict[RankId, _Rank] = {}
+        self._group_done: dict[Hashable, int] = {}
+        self._group_probe: dict[Hashable, int] = {}  # first-turn footprint per GRPO group
+        self._group_probing: set[Hashable] = set()
+        self._admission_allowance: Optional[int] = None
+        self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
+        for rank, capacity in rank_kv_capacity.items():
+            self.add_rank(rank, capacity)
+
+    # ---- what the mechanism reports -------------------------------------------------------
+    def add_task(self, task_id: TaskId, group_id: Hashable, prompt_tokens: int, group_size: int = 1,
+                 task_type: str = "default", is_eval: bool = False) -> None:
+        if task_id in self.tasks:
+            raise ValueError(f"task {task_id!r} was already added")
+        if prompt_tokens <= 0 or group_size <= 0:
+            raise ValueError(f"task {task_id!r}: prompt_tokens and group_size must be > 0")
+        self.tasks[task_id] = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
+                                   seq=len(self.tasks))
+
+    def turn_started(self, task_id: TaskId, context_tokens: int) -> None:
+        """A turn begins with this real context length (prompt, all turns so far, the observation)."""
+        task = self._live(task_id)
+        if task.state is not TaskState.RESIDENT:
+            raise ValueError(f"task {task_id!r} is {task.state.value}: only a resident task starts turns")
+        if context_tokens <= 0:
+            raise ValueError(f"task {task_id!r}: context_tokens = {context_tokens}, must be > 0")
+        if task.context_tokens == 0 and task.group_id not in self._group_probe:
+            self._group_probe[task.group_id] = context_tokens  # the group's probe footprint
+            self._group_probing.discard(task.group_id)
+        task.context_tokens = context_tokens
+        self.ranks[task.rank].usage += context_tokens - task.charged  # estimate -> real context
+        task.charged = context_tokens
+        task.generating = True
+
+    def turn_finished(self, task_id: TaskId) -> None:
+        """Generation of the turn is done; the task now waits for its environment (a turn boundary)."""
+        self._live(task_id).generating = False
+
+    def task_finished(self, task_id: TaskId, outcome: Outcome = Outcome.CONSUMED, reason: str = "") -> None:
+        task = self._live(task_id)
+        if task.state is TaskState.RESIDENT:
+            self._release(task)
+        if task.context_tokens == 0:
+            self._group_probing.discard(task.group_id)  # the probe ended before its first turn
+        task.state, task.outcome, task.reason, task.generating = TaskState.DONE, outcome, reason, False
+        self._group_done[task.group_id] = self._group_done.get(task.group_id, 0) + 1
+        self.counters[outcome.value] += 1
+
+    def set_admission_allowance(self, new_tasks: Optional[int]) -> None:
+        """Staleness throttle: how many more new tasks may start before the trainer catches up (None = no limit)."""
+        if new_tasks is not None and new_tasks < 0:
+            raise ValueError(f"admission allowance = {new_tasks}: must be >= 0 or None")
+        self._admission_allowance = new_tasks
+
+    def add_rank(self, rank: RankId, kv_capacity_tokens: int) -> None:
+        if rank in self.ranks:
+            raise ValueError(f"rank {rank!r} is already known")
+        if kv_capacity_tokens <= 0:
+            raise ValueError(f"rank {rank!r}: kv_capacity_tokens = {kv_capacity_tokens}, must be > 0")
+        self.ranks[rank] = _Rank(budget=math.floor(kv_capacity_tokens * self.config.kv_headroom))
+
+    def remove_rank(self, rank: RankId) -> list[TaskId]:
+        """Close a rank (ERS): its resident tasks become paused without affinity (their KV is gone)."""
+        if rank not in self.ranks:
+            raise KeyError(f"rank {rank!r} is not known")
+        moved = []
+        for task in self.tasks.values():
+            if task.rank == rank and task.state in (TaskState.RESIDENT, TaskState.PAUSED):
+                if task.state is TaskState.RESIDENT:
+                    self._release(task)
+                    task.state = TaskState.PAUSED
+                    task.generating = False
+                    moved.append(task.task_id)
+                task.rank = None
+        del self.ranks[rank]
+        return moved
+
+    # ---- the decision (Algorithm 1) --------------------------------------------------------
+    def priority(self, task: Task) -> float:
+        """P(t) = w1*eval + w2*group completion + w3*active + w4*context length."""
+        w = self.config.priority
+        completion = self._group_done.get(task.group_id, 0) / task.group_size
+        return (w.eval * task.is_eval + w.group_completion * completion + w.active * task.generating
+                + w.context_length * self.footprint(task))
+
+    def footprint(self, task: Task) -> int:
+        """Tokens a task needs: its real context once known, else its group's probe, else its prompt."""
+        if task.context_tokens:
+            return task.context_tokens
+        return max(self._group_probe.get(task.group_id, 0), task.prompt_tokens)
+
+    def tick(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._pause_over_budget(out)
+        self._fail_oversize(out)
+        self._resume_paused(out)
+        if not any(t.state is TaskState.PAUSED for t in self.tasks.values()):
+            self._admit_new(out)
+        return out
+
+    def _pause_over_budget(self, out: SchedulerOutput) -> None:
+        for rank_id, rank in self.ranks.items():
+            while rank.usage > rank.budget:
+                victim = min(self._resident_on(rank_id), key=self._order)
+                reason = f"rank over budget ({rank.usage} > {rank.budget}); lowest priority"
+                self._release(victim)
+                victim.state, victim.generating = TaskState.PAUSED, False
+                self.counters["pauses"] += 1
+                out.pauses.append(Decision(victim.task_id, rank_id, reason))
+
+    def _fail_oversize(self, out: SchedulerOutput) -> None:
+        largest = max((r.budget for r in self.ranks.values()), default=0)
+        for task in list(self.tasks.values()):
+            if task.state in (TaskState.PAUSED, TaskState.QUEUED) and self.ranks and self.footprint(task) > largest:
+                reason = f"context {self.footprint(task)} tokens exceeds the largest rank budget {largest}"
+                self.task_finished(task.task_id, Outcome.DROPPED_FAILED, reason)
+                out.failed.append(Decision(task.task_id, task.rank, reason))
+
+    def _resume_paused(self, out: SchedulerOutput) -> None:
+        """Highest priority first, on its affinity rank if it has headroom, else the best rank that fits."""
+        for task in sorted(self._in_state(TaskState.PAUSED), key=self._order, reverse=True):
+            need = self.footprint(task)
+            affinity = task.rank if task.rank in self.ranks else None
+            if affinity is not None and self._headroom(affinity) >= need:
+                rank, why = affinity, "resume on the rank holding its prefix"
+            else:
+                rank = self._best_rank(task, need)
+                why = "resume elsewhere: affinity rank has no headroom" if affinity is not None else "resume (no affinity)"
+            if rank is None:
+                return  # strict order: no lower-priority task resumes ahead of this one
+            self._place(task, rank)
+            self.counters["resumes"] += 1
+            out.resumes.append(Decision(task.task_id, rank, why))
+
+    def _admit_new(self, out: SchedulerOutput) -> None:
+        resident = sum(1 for t in self.tasks.values() if t.state is TaskState.RESIDENT)
+        for task in sorted(self._in_state(TaskState.QUEUED), key=self._order, reverse=True):
+            if self._admission_allowance is not None and self._admission_allowance <= 0:
+                return
+            if self.config.env_concurrency and resident >= self.config.env_concurrency:
+                return
+            if self.config.probe_first_turn and task.group_id in self._group_probing:
+                continue  # wait for the group's probe to report its first-turn footprint
+            rank = self._best_rank(task, self.footprint(task))
+            if rank is None:
+                continue
+            self._place(task, rank)
+            if task.group_id not in self._group_probe:
+                self._group_probing.add(task.group_id)
+            resident += 1
+            if self._admission_allowance is not None:
+                self._admission_allowance -= 1
+            self.counters["admissions"] += 1
+            out.admissions.append(Decision(task.task_id, rank, "admitted"))
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _order(self, task: Task) -> tuple:
+        """Ascending = less important: priority, then later arrival."""
+        return (self.priority(task), -task.seq)
+
+    def _best_rank(self, task: Task, need: int) -> Optional[RankId]:
+        best, best_score = None, -math.inf
+        group_ranks = {t.rank for t in self.tasks.values()
+                       if t.group_id == task.group_id and t.state is TaskState.RESIDENT}
+        for rank_id, rank in self.ranks.items():
+            if rank.budget - rank.usage < need:
+                continue
+            score = (rank.budget - rank.usage - need) / rank.budget
+            score -= self.config.diversity_penalty * rank.type_counts.get(task.task_type, 0)
+            score += 1.0 if rank_id in group_ranks else 0.0  # the group's shared prompt is cached there
+            if score > best_score:
+                best, best_score = rank_id, score
+        return best
+
+    def _place(self, task: Task, rank_id: RankId) -> None:
+        task.state, task.rank, task.charged = TaskState.RESIDENT, rank_id, self.footprint(task)
+        rank = self.ranks[rank_id]
+        rank.usage += task.charged
+        rank.type_counts[task.task_type] = rank.type_counts.get(task.task_type, 0) + 1
+
+    def _release(self, task: Task) -> None:
+        rank = self.ranks[task.rank]
+        rank.usage -= task.charged
+        rank.type_counts[task.task_type] -= 1
+        task.charged = 0
+
+    def _headroom(self, rank_id: RankId) -> int:
+        rank = self.ranks[rank_id]
+        return rank.budget - rank.usage
+
+    def _resident_on(self, rank_id: RankId) -> Iterable[Task]:
+        return [t for t in self.tasks.values() if t.state is TaskState.RESIDENT and t.rank == rank_id]
+
+    def _in_state(self, state: TaskState) -> list[Task]:
+        return [t for t in self.tasks.values() if t.state is state]
+
+    def _live(self, task_id: TaskId) -> Task:
+        task = self.tasks.get(task_id)
+        if task is None:
+            raise KeyError(f"task {task_id!r} is unknown")
+        if task.state is TaskState.DONE:
+            raise ValueError(f"task {task_id!r} already finished ({task.outcome.value})")
+        return task
