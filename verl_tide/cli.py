@@ -1,0 +1,51 @@
+"""`verl-tide` command line: `verl-tide env serve ...`, `verl-tide env check URL`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="verl-tide")
+    sub = parser.add_subparsers(dest="group", required=True)
+    env = sub.add_parser("env", help="environment service").add_subparsers(dest="command", required=True)
+
+    serve = env.add_parser("serve", help="run the reference environment server")
+    serve.add_argument("--env", default="tiny", help="default environment or preset for /start without 'env'")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--session-timeout", type=float, default=240.0, help="inactivity timeout (s), frozen while paused")
+    serve.add_argument("--max-sessions", type=int, default=1024)
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latencies (0 = none)")
+
+    check = env.add_parser("check", help="conformance checks against a running server")
+    check.add_argument("url")
+    check.add_argument("--env", default=None, help="environment to start (default: the server's default)")
+    check.add_argument("--timeout-check-max", type=float, default=10.0,
+                       help="check pause/timeout semantics only if the server's timeout is at most this (s)")
+
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        from verl_tide.env.envs import ENVIRONMENTS, PRESETS
+        from verl_tide.env.server import ServerConfig, serve as run_server
+
+        if args.env not in PRESETS and args.env not in ENVIRONMENTS:
+            parser.error(f"--env {args.env!r}: allowed: {', '.join(sorted(set(PRESETS) | set(ENVIRONMENTS)))}")
+        if args.session_timeout <= 0 or args.max_sessions <= 0 or args.max_body_bytes <= 0 or args.latency_scale < 0:
+            parser.error("--session-timeout, --max-sessions and --max-body-bytes must be > 0; --latency-scale >= 0")
+        run_server(ServerConfig(host=args.host, port=args.port, default_env=args.env,
+                                session_timeout_s=args.session_timeout, max_sessions=args.max_sessions,
+                                max_body_bytes=args.max_body_bytes, latency_scale=args.latency_scale))
+        return 0
+    from verl_tide.env.conformance import format_table, run_checks
+
+    results = asyncio.run(run_checks(args.url, env=args.env, timeout_check_max_s=args.timeout_check_max))
+    print(format_table(results))
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
