@@ -3,6 +3,7 @@
 - Trainer `tide` is registered in verl's TRAINER_REGISTRY as soon as verl imports the
   module that holds the registry (`trainer_base`), so processes that never build a
   trainer (vLLM engines, reward workers) do not pay for importing the trainer stack.
+  Likewise the agent loop `tide_env_agent`, when verl imports its agent-loop registry.
 - Only when the CPU test bed is selected (`VERL_PLATFORM=cpu`): the test bed's CPU platform
   (now, before verl resolves its platform) and its vLLM-CPU rollout (when verl imports the
   rollout replica registry).
@@ -24,6 +25,7 @@ from verl_tide.import_hooks import when_imported
 
 TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1.trainer_base"
 ROLLOUT_REGISTRY_MODULE = "verl.workers.rollout.replica"
+AGENT_LOOP_REGISTRY_MODULE = "verl.experimental.agent_loop.agent_loop"
 
 REGISTRATION_ERRORS: list[str] = []
 
@@ -56,6 +58,13 @@ def _register_trainer(_: ModuleType) -> None:
     _loudly("registering trainer 'tide'", go, reraise=False)
 
 
+def _register_env_agent_loop(_: ModuleType) -> None:
+    def go() -> None:
+        import verl_tide.env.agent_loop  # noqa: F401  (@register("tide_env_agent") runs on import)
+
+    _loudly("registering agent loop 'tide_env_agent'", go, reraise=False)
+
+
 def _register_cpu_rollout(_: ModuleType) -> None:
     def go() -> None:
         from verl_tide.testing.vllm_cpu import register_vllm_cpu_rollout
@@ -76,6 +85,7 @@ def _register() -> None:
         _loudly("registering the CPU test bed platform", platform, reraise=True)
         when_imported(ROLLOUT_REGISTRY_MODULE, _register_cpu_rollout)
     when_imported(TRAINER_REGISTRY_MODULE, _register_trainer)
+    when_imported(AGENT_LOOP_REGISTRY_MODULE, _register_env_agent_loop)
 
 
 _register()
