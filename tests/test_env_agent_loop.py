@@ -115,8 +115,11 @@ async def test_environment_failure_marks_the_trajectory_failed_and_still_ends(to
 
 
 async def test_unreachable_service_at_start_keeps_the_row(tokenizer):
-    out = await _loop(tokenizer, ScriptedLLM(tokenizer, []), "http://127.0.0.1:9").run({}, **ROW)
-    assert out.extra_fields["tide_env_outcome"] == "failed" and out.response_ids == [] and out.prompt_ids
+    llm = ScriptedLLM(tokenizer, ["5"])
+    out = await _loop(tokenizer, llm, "http://127.0.0.1:9").run({}, **ROW)
+    assert out.extra_fields["tide_env_outcome"] == "failed" and out.reward_score == 0.0
+    assert len(out.response_ids) == 1 and out.response_mask == [1] and out.prompt_ids
+    assert len(llm.calls) == 1  # one token generated so the row carries the engine's tags
 
 
 def test_missing_url_names_the_key(tokenizer, monkeypatch):

@@ -148,6 +148,9 @@ class EnvConfig:
     max_payload_bytes: int = field(
         default=1 << 20, metadata=_check(lambda x: x > 0, "> 0", "largest request or response body")
     )
+    max_tokens_per_turn: int = field(
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0 (0 = no cap)", "generated tokens per action")
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ action, and appends the observation as a user message (masked out of the loss). 
 done, on `tide.env` / multi-turn turn limits, or at the response length; the summed reward
 becomes the trajectory's `reward_score`. `/end` is called on every exit path. An environment
 failure ends the trajectory with reward 0, is marked in `extra_fields["tide_env_outcome"]`
-(`failed`) and counted in `EnvAgentLoop.outcomes`.
+(`failed`) and counted in `EnvAgentLoop.outcomes`; the row stays in the batch (with at least one
+generated token) so GRPO groups and verl's bookkeeping stay whole.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class EnvAgentLoop(AgentLoopBase):
         spec = (kwargs.get("extra_info") or {}).get("tide_env") or {}
         messages = list(kwargs["raw_prompt"])
         client = self._client()
+        if self.env_config.max_tokens_per_turn:
+            cap = self.env_config.max_tokens_per_turn
+            sampling_params = {**sampling_params, "max_tokens": min(cap, sampling_params.get("max_tokens") or cap)}
         metrics: dict[str, Any] = {}
         request_id = uuid4().hex
         session_id: Optional[str] = None
@@ -73,6 +77,7 @@ class EnvAgentLoop(AgentLoopBase):
         response_mask: list[int] = []
         logprobs: list[float] = []
         reward, turns, stop, error = 0.0, 0, "failed", ""
+        engine_fields: dict[str, Any] = {}  # the engine's per-request fields (policy versions used: min/max_global_steps)
         try:
             start = await client.start(env=spec.get("env"), task=spec.get("task"), seed=spec.get("seed"))
             session_id = start.session_id
@@ -86,6 +91,10 @@ class EnvAgentLoop(AgentLoopBase):
                     prompt_ids, out.token_ids, response_mask, logprobs if (logprobs or out.log_probs) else None,
                     assistant_logprobs=out.log_probs or None)
                 prompt_ids, logprobs = merge.token_ids, merged_logprobs or []
+                if not engine_fields:
+                    engine_fields.update(out.extra_fields)
+                elif out.extra_fields.get("max_global_steps") is not None:
+                    engine_fields["max_global_steps"] = out.extra_fields["max_global_steps"]
                 turns += 1
                 action = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
                 messages.append({"role": "assistant", "content": action})
@@ -119,8 +128,19 @@ class EnvAgentLoop(AgentLoopBase):
                     self.outcomes["end_failed"] += 1
                     logger.warning("tide_env_agent: /end of %s failed: %s", session_id, e)
         self.outcomes["failed" if stop == "failed" else "completed"] += 1
-        if not prompt_ids:  # the environment never started: keep the row, with an empty response
-            prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+        if turns == 0:
+            # The environment failed before the first action. verl needs every row of the batch
+            # (GRPO groups, policy-version tags from the engine), so the row is kept with a
+            # one-token response, reward 0 and outcome "failed" for the trainer to drop and count.
+            if not prompt_ids:
+                prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
+            out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids,
+                                                     sampling_params={**sampling_params, "max_tokens": 1})
+            merge, response_mask, merged_logprobs = await self.ct_merge_assistant_token(
+                prompt_ids, out.token_ids[:1], [], [] if out.log_probs else None,
+                assistant_logprobs=out.log_probs[:1] if out.log_probs else None)
+            prompt_ids, logprobs = merge.token_ids, merged_logprobs or []
+            engine_fields.update(out.extra_fields)
         n_resp = len(response_mask)
         response_ids = prompt_ids[len(prompt_ids) - n_resp:] if n_resp else []
         return AgentLoopOutput(
@@ -131,6 +151,6 @@ class EnvAgentLoop(AgentLoopBase):
             reward_score=reward,
             num_turns=2 * turns + 1,
             metrics=AgentLoopMetrics(generate_sequences=metrics.get("generate_sequences", 0.0)),
-            extra_fields={"tide_env_outcome": stop, "tide_env_error": error, "tide_env_turns": turns,
-                          "turn_scores": [], "tool_rewards": []},
+            extra_fields={**engine_fields, "tide_env_outcome": stop, "tide_env_error": error,
+                          "tide_env_turns": turns, "turn_scores": [], "tool_rewards": []},
         )

@@ -143,3 +143,23 @@ def write_gsm8k_style_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     pd.DataFrame(rows).to_parquet(path)
     return path
+
+
+def write_env_task_parquet(path: str | Path, n: int, env: str = "tiny", seed: int = 0) -> Path:
+    """RL rows for the `tide_env_agent` loop: a system prompt and `extra_info.tide_env` per row."""
+    import pandas as pd
+
+    rows = [
+        {
+            "data_source": f"tide_env/{env}",
+            "prompt": [{"role": "system", "content": "Play the game. Answer with one number."}],
+            "ability": "agent",
+            "reward_model": {"style": "env", "ground_truth": ""},
+            "extra_info": {"index": i, "tide_env": {"env": env, "task": {"low": 1, "high": 16}, "seed": seed + i}},
+        }
+        for i in range(n)
+    ]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path)
+    return path
