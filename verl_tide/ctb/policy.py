@@ -6,8 +6,10 @@ calls `tick()`, which returns the pauses, resumes and admissions to carry out at
 boundaries. Verbs and states follow vLLM's scheduler: a few calls, an explicit state per task.
 
 Budgets: each rank may hold `floor(kv_capacity_tokens * kv_headroom)` tokens of resident tasks'
-contexts. A paused task holds no budget (the engine may evict its KV); it remembers the rank that
-held it, and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
+contexts. The tasks of one GRPO group share their prompt, and the engine's prefix cache holds it
+once per rank, so a rank is charged a group's prompt once plus each resident task's own tokens.
+A paused task holds no budget (the engine may evict its KV); it remembers the rank that held it,
+and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ class Task:
     rank: Optional[RankId] = None  # resident rank, or the rank whose cache held it (affinity) when paused
     seq: int = 0  # arrival order: the deterministic tie-break
     context_tokens: int = 0  # last reported real context length; 0 before the first turn
-    charged: int = 0  # tokens charged to `rank`'s budget while resident
+    charged: int = 0  # own tokens (beyond the group's shared prompt) charged to `rank` while resident
     generating: bool = False
     outcome: Optional[Outcome] = None
     reason: str = ""
@@ -73,7 +75,8 @@ class SchedulerOutput:
 @dataclass
 class _Rank:
     budget: int
-    usage: int = 0
+    usage: int = 0  # shared prompts of the groups resident here + every resident task's own tokens
+    group_residents: dict[Hashable, int] = field(default_factory=dict)
     type_counts: dict[str, int] = field(default_factory=dict)
 
 
@@ -85,6 +88,7 @@ class CTBScheduler:
         self._group_done: dict[Hashable, int] = {}
         self._group_probe: dict[Hashable, int] = {}  # first-turn footprint per GRPO group
         self._group_probing: set[Hashable] = set()
+        self._group_prompt: dict[Hashable, int] = {}  # shared prompt length per GRPO group
         self._admission_allowance: Optional[int] = None
         self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
         for rank, capacity in rank_kv_capacity.items():
@@ -99,6 +103,7 @@ class CTBScheduler:
             raise ValueError(f"task {task_id!r}: prompt_tokens and group_size must be > 0")
         self.tasks[task_id] = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
                                    seq=len(self.tasks))
+        self._group_prompt.setdefault(group_id, prompt_tokens)  # a GRPO group shares its first task's prompt
 
     def turn_started(self, task_id: TaskId, context_tokens: int) -> None:
         """A turn begins with this real context length (prompt, all turns so far, the observation)."""
@@ -111,8 +116,9 @@ class CTBScheduler:
             self._group_probe[task.group_id] = context_tokens  # the group's probe footprint
             self._group_probing.discard(task.group_id)
         task.context_tokens = context_tokens
-        self.ranks[task.rank].usage += context_tokens - task.charged  # estimate -> real context
-        task.charged = context_tokens
+        own = max(context_tokens - self._shared_prompt(task), 0)
+        self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
+        task.charged = own
         task.generating = True
 
     def turn_finished(self, task_id: TaskId) -> None:
@@ -204,7 +210,7 @@ class CTBScheduler:
         for task in sorted(self._in_state(TaskState.PAUSED), key=self._order, reverse=True):
             need = self.footprint(task)
             affinity = task.rank if task.rank in self.ranks else None
-            if affinity is not None and self._headroom(affinity) >= need:
+            if affinity is not None and self._headroom(affinity, task) >= need:
                 rank, why = affinity, "resume on the rank holding its prefix"
             else:
                 rank = self._best_rank(task, need)
@@ -246,9 +252,10 @@ class CTBScheduler:
         group_ranks = {t.rank for t in self.tasks.values()
                        if t.group_id == task.group_id and t.state is TaskState.RESIDENT}
         for rank_id, rank in self.ranks.items():
-            if rank.budget - rank.usage < need:
+            need_here = need - (self._shared_prompt(task) if rank.group_residents.get(task.group_id) else 0)
+            if rank.budget - rank.usage < need_here:
                 continue
-            score = (rank.budget - rank.usage - need) / rank.budget
+            score = (rank.budget - rank.usage - need_here) / rank.budget
             score -= self.config.diversity_penalty * rank.type_counts.get(task.task_type, 0)
             score += 1.0 if rank_id in group_ranks else 0.0  # the group's shared prompt is cached there
             if score > best_score:
@@ -256,20 +263,33 @@ class CTBScheduler:
         return best
 
     def _place(self, task: Task, rank_id: RankId) -> None:
-        task.state, task.rank, task.charged = TaskState.RESIDENT, rank_id, self.footprint(task)
         rank = self.ranks[rank_id]
+        shared = self._shared_prompt(task)
+        task.state, task.rank, task.charged = TaskState.RESIDENT, rank_id, max(self.footprint(task) - shared, 0)
+        if not rank.group_residents.get(task.group_id):
+            rank.usage += shared  # the group's prompt is cached once per rank
+        rank.group_residents[task.group_id] = rank.group_residents.get(task.group_id, 0) + 1
         rank.usage += task.charged
         rank.type_counts[task.task_type] = rank.type_counts.get(task.task_type, 0) + 1
 
     def _release(self, task: Task) -> None:
         rank = self.ranks[task.rank]
         rank.usage -= task.charged
+        rank.group_residents[task.group_id] -= 1
+        if not rank.group_residents[task.group_id]:
+            del rank.group_residents[task.group_id]
+            rank.usage -= self._shared_prompt(task)
         rank.type_counts[task.task_type] -= 1
         task.charged = 0
 
-    def _headroom(self, rank_id: RankId) -> int:
+    def _headroom(self, rank_id: RankId, task: Optional[Task] = None) -> int:
         rank = self.ranks[rank_id]
-        return rank.budget - rank.usage
+        credit = self._shared_prompt(task) if task is not None and rank.group_residents.get(task.group_id) else 0
+        return rank.budget - rank.usage + credit
+
+    def _shared_prompt(self, task: Task) -> int:
+        """Tokens of the group's common prompt (as reported by its first task)."""
+        return self._group_prompt[task.group_id]
 
     def _resident_on(self, rank_id: RankId) -> Iterable[Task]:
         return [t for t in self.tasks.values() if t.state is TaskState.RESIDENT and t.rank == rank_id]
