@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -39,6 +38,7 @@ import aiohttp
 from verl_tide.config import CTBConfig
 from verl_tide.ctb.gate import TurnGate
 from verl_tide.ctb.policy import CTBScheduler
+from verl_tide.metrics import EngineMetrics, prefix_hit_rate
 
 
 @dataclass(frozen=True)
@@ -82,19 +82,9 @@ def plan_tasks(w: Workload, vocab: int, salt: int) -> list[TaskPlan]:
 
 
 # ---- engine -------------------------------------------------------------------------------------
-def scrape(url: str) -> dict[str, float]:
-    """vLLM's Prometheus counters (summed over labels) and its KV cache shape."""
+def scrape(url: str, backend: str = "vllm") -> EngineMetrics:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
-        out[name] = sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M))
-    m = re.search(r'^vllm:cache_config_info{([^}]*)}', text, re.M)
-    if m:
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        out["num_gpu_blocks"] = float(labels.get("num_gpu_blocks") or 0)
-        out["block_size"] = float(labels.get("block_size") or 0)
-    return out
+        return EngineMetrics.parse(r.read().decode(), backend)
 
 
 def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path,
@@ -162,13 +152,11 @@ async def run_workload(url: str, model: str, tasks: list[TaskPlan], w: Workload,
         await asyncio.gather(*(one(http, t) for t in tasks))
     makespan = time.monotonic() - start
     after = scrape(url)
-    queries = after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"]
-    hits = after["vllm:prefix_cache_hits_total"] - before["vllm:prefix_cache_hits_total"]
     result = {
-        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "prefix_hit_rate": prefix_hit_rate(before, after),
         "throughput_tok_s": tokens / makespan,
         "makespan_s": makespan,
-        "preemptions": int(after["vllm:num_preemptions_total"] - before["vllm:num_preemptions_total"]),
+        "preemptions": int((after.preemptions or 0) - (before.preemptions or 0)),
         "completed_trajectories": completed,
         "trajectory_tokens": tokens,
     }
@@ -213,8 +201,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         proc = start_vllm(model, port, args.num_blocks, 8192, work / "vllm.log", args.dtype)
     try:
         wait_ready(url, proc)
-        info = scrape(url)
-        capacity = int(info.get("num_gpu_blocks", 0) * info.get("block_size", 0))
+        capacity = scrape(url).kv_capacity_tokens or 0
         if capacity <= 0:
             raise RuntimeError("could not read the KV capacity (vllm:cache_config_info) from /metrics")
         print(f"[ctb_vllm] KV capacity {capacity} tokens; {w.groups} groups x {w.group_size} tasks", flush=True)

@@ -1,0 +1,118 @@
+"""Prometheus metrics: verl-tide's own exporter, and reading the rollout engines' `/metrics`.
+
+vLLM and SGLang name their prefix-cache and capacity metrics differently; `EngineMetrics`
+reads either into one shape (hit rate from counter deltas, KV capacity in tokens), so CTB sizes
+its budgets from the engine's real capacity and reports the hit rate it achieves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from verl_tide.ctb.policy import CTBScheduler
+
+# Per backend: (prefix-cache queried-token counter, hit-token counter, preemption counter).
+_PREFIX_COUNTERS = {
+    "vllm": ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"),
+    "sglang": ("sglang:prompt_tokens", "sglang:cached_tokens", None),
+}
+BACKENDS = tuple(_PREFIX_COUNTERS)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """One scrape of an engine's `/metrics`, reduced to what CTB needs."""
+
+    backend: str
+    prefix_queried_tokens: float
+    prefix_hit_tokens: float
+    preemptions: Optional[float]
+    kv_capacity_tokens: Optional[int]
+    kv_usage: Optional[float]  # fraction of the KV cache in use, 0..1
+
+    @classmethod
+    def parse(cls, text: str, backend: str) -> EngineMetrics:
+        if backend not in _PREFIX_COUNTERS:
+            raise ValueError(f"backend = {backend!r}: must be one of {' | '.join(BACKENDS)}")
+        samples: dict[str, float] = {}
+        labels: dict[str, dict[str, str]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[s.name] = samples.get(s.name, 0.0) + s.value  # summed over label sets (ranks)
+                labels.setdefault(s.name, dict(s.labels))
+        queried, hits, preempt = _PREFIX_COUNTERS[backend]
+
+        def counter(name: Optional[str]) -> Optional[float]:
+            if name is None:
+                return None
+            return samples.get(name + "_total", samples.get(name))
+
+        if backend == "vllm":
+            info = labels.get("vllm:cache_config_info", {})
+            blocks, block = info.get("num_gpu_blocks"), info.get("block_size")
+            capacity = int(blocks) * int(block) if blocks and block and blocks != "None" else None
+            usage = samples.get("vllm:kv_cache_usage_perc")
+        else:
+            cap = samples.get("sglang:max_total_num_tokens")
+            capacity = int(cap) if cap else None
+            usage = samples.get("sglang:token_usage")
+        if counter(queried) is None or counter(hits) is None:
+            raise ValueError(f"{backend} /metrics: no {queried} / {hits} counters (is the engine's metrics "
+                             "endpoint enabled, e.g. SGLang --enable-metrics?)")
+        return cls(backend, counter(queried) or 0.0, counter(hits) or 0.0, counter(preempt), capacity, usage)
+
+
+def prefix_hit_rate(before: EngineMetrics, after: EngineMetrics) -> float:
+    """Fraction of prompt tokens served from the prefix cache between two scrapes."""
+    queried = after.prefix_queried_tokens - before.prefix_queried_tokens
+    return (after.prefix_hit_tokens - before.prefix_hit_tokens) / queried if queried > 0 else 0.0
+
+
+class TideMetrics:
+    """verl-tide's Prometheus exporter: CTB state per rank, task outcomes, engine hit rates."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.rank_tokens = Gauge("tide_ctb_rank_tokens", "Tokens charged to a rollout rank", ["rank"], registry=r)
+        self.rank_budget = Gauge("tide_ctb_rank_budget_tokens", "Token budget of a rollout rank", ["rank"], registry=r)
+        self.tasks = Gauge("tide_ctb_tasks", "Tasks by CTB state", ["state"], registry=r)
+        self.decisions = Counter("tide_ctb_decisions", "CTB pauses, resumes and admissions", ["kind"], registry=r)
+        self.outcomes = Counter("tide_tasks_finished", "Finished tasks by outcome", ["outcome"], registry=r)
+        self.hit_rate = Gauge("tide_engine_prefix_cache_hit_rate", "Engine prefix-cache hit rate", ["rank"],
+                              registry=r)
+        self._seen: dict[str, float] = {}
+
+    def update_from_ctb(self, scheduler: CTBScheduler) -> None:
+        from verl_tide.ctb.policy import TaskState
+
+        for rank, state in scheduler.ranks.items():
+            self.rank_tokens.labels(rank=str(rank)).set(state.usage)
+            self.rank_budget.labels(rank=str(rank)).set(state.budget)
+        counts = {s: 0 for s in TaskState}
+        for task in scheduler.tasks.values():
+            counts[task.state] += 1
+        for state, n in counts.items():
+            self.tasks.labels(state=state.value).set(n)
+        for key, value in scheduler.counters.items():  # counters only grow: export the increments
+            delta = value - self._seen.get(key, 0)
+            if delta > 0:
+                metric = self.decisions if key in ("pauses", "resumes", "admissions") else self.outcomes
+                metric.labels(**({"kind": key} if metric is self.decisions else {"outcome": key})).inc(delta)
+            self._seen[key] = value
+
+    def update_hit_rates(self, rates: Mapping[str, float]) -> None:
+        for rank, rate in rates.items():
+            self.hit_rate.labels(rank=str(rank)).set(rate)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve `/metrics` in a background thread; returns (server, thread). Call server.shutdown() to stop."""
+        from prometheus_client import start_http_server
+
+        return start_http_server(port, addr=host, registry=self.registry)
