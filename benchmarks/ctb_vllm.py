@@ -43,7 +43,7 @@ from verl_tide.metrics import EngineMetrics, prefix_hit_rate
 
 @dataclass(frozen=True)
 class Workload:
-    groups: int = 8
+    groups: int = 16
     group_size: int = 4
     prompt_tokens: int = 600
     min_turns: int = 3
