@@ -48,3 +48,33 @@ def make_lm_batch(sequences: list[list[int]], temperature: float = 1.0) -> Any:
     data = tu.get_tensordict(tensor_dict=tensors, non_tensor_dict={"temperature": temperature, "compute_loss": False})
     tu.assign_non_tensor(data, global_token_num=NonTensorData([len(s) for s in sequences]))
     return data
+
+
+def make_actor_batch(prompts: list[list[int]], responses: list[list[int]], response_masks: list[list[int]],
+                     old_log_probs: list[Any], advantages: list[Any], sample_ids: list[int],
+                     ref_log_probs: list[Any] | None = None, temperature: float = 1.0) -> Any:
+    """verl's no-padding actor batch (what `update_actor` trains on) for a PPO/GRPO loss."""
+    from verl.utils import tensordict_utils as tu
+
+    nested = lambda ts: torch.nested.as_nested_tensor(ts, layout=torch.jagged)  # noqa: E731
+    seqs = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(prompts, responses)]
+    tensors = {
+        "input_ids": nested(seqs),
+        "position_ids": nested([torch.arange(len(s)) for s in seqs]),
+        "prompts": nested([torch.tensor(p, dtype=torch.long) for p in prompts]),
+        "responses": nested([torch.tensor(r, dtype=torch.long) for r in responses]),
+        "response_mask": nested([torch.tensor(m, dtype=torch.long) for m in response_masks]),
+        "loss_mask": nested([torch.tensor([0] * len(p) + list(m), dtype=torch.long)
+                             for p, m in zip(prompts, response_masks)]),
+        "old_log_probs": nested([torch.as_tensor(x, dtype=torch.float32) for x in old_log_probs]),
+        "advantages": nested([torch.as_tensor(x, dtype=torch.float32) for x in advantages]),
+        "tide_sample_id": torch.tensor(sample_ids, dtype=torch.long),
+    }
+    if ref_log_probs is not None:
+        tensors["ref_log_prob"] = nested([torch.as_tensor(x, dtype=torch.float32) for x in ref_log_probs])
+    from tensordict.tensorclass import NonTensorData
+
+    data = tu.get_tensordict(tensor_dict=tensors, non_tensor_dict={
+        "temperature": temperature, "global_batch_size": len(seqs), "update_lr_scheduler": False})
+    tu.assign_non_tensor(data, global_token_num=NonTensorData([len(s) for s in seqs]))
+    return data
