@@ -27,7 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--timeout-check-max", type=float, default=10.0,
                        help="check pause/timeout semantics only if the server's timeout is at most this (s)")
 
+    paths = sub.add_parser("paths", help="print the path of a file shipped with verl-tide")
+    paths.add_argument("what", choices=["router"], help="router: the CTB router YAML for rollout.router_config_path")
+
     args = parser.parse_args(argv)
+    if args.group == "paths":
+        from importlib.resources import files
+
+        print(files("verl_tide") / "conf" / "router" / "ctb.yaml")
+        return 0
     if args.command == "serve":
         from verl_tide.env.envs import ENVIRONMENTS, PRESETS
         from verl_tide.env.server import ServerConfig, serve as run_server

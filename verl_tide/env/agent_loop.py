@@ -63,6 +63,15 @@ class EnvAgentLoop(AgentLoopBase):
                                            max_payload_bytes=self.env_config.max_payload_bytes)
         return self._clients[key]
 
+    def _tell_router_finished(self, request_id: str, outcome: str) -> None:
+        """Free the trajectory's CTB budget now when verl routes through verl-tide's CTB router."""
+        balancer = getattr(self.server_manager, "_load_balancer", None)
+        try:
+            finish = balancer.finish  # only CTBLoadBalancer has it; stock verl routers do not
+        except AttributeError:
+            return
+        finish.remote(request_id, outcome)
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = (kwargs.get("extra_info") or {}).get("tide_env") or {}
         messages = list(kwargs["raw_prompt"])
@@ -128,6 +137,7 @@ class EnvAgentLoop(AgentLoopBase):
                     self.outcomes["end_failed"] += 1
                     logger.warning("tide_env_agent: /end of %s failed: %s", session_id, e)
         self.outcomes["failed" if stop == "failed" else "completed"] += 1
+        self._tell_router_finished(request_id, "dropped_failed" if stop == "failed" else "consumed")
         if turns == 0:
             # The environment failed before the first action. verl needs every row of the batch
             # (GRPO groups, policy-version tags from the engine), so the row is kept with a

@@ -1,0 +1,76 @@
+"""CTB as verl's router plugin (in process): admission, pauses at turn boundaries, idle finish,
+bypass of unplaceable requests, server removal. The run inside verl is in test_ctb_router_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from verl_tide.ctb.router import CTBLoadBalancer
+
+
+def _lb(**cfg):
+    return CTBLoadBalancer({"s0": "handle0", "s1": "handle1"},
+                           {"kv_capacity_tokens": 1000, "idle_finish_s": 0.2, "ctb": {"kv_headroom": 1.0}, **cfg})
+
+
+def test_protocol_fields_and_status():
+    lb = _lb()
+    assert lb.require_acquire_fields() == ["prompt_ids", "sampling_params"]
+    assert lb.require_release_fields() == ["request_id"]
+    assert lb.get_all_servers() == ["s0", "s1"] and lb.get_total_inflight() == 0
+    assert lb.get_status()["ctb"]["ranks"]["s0"] == {"usage": 0, "budget": 1000}
+
+
+async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary():
+    lb = _lb()
+    sid_a, h = await lb.acquire_server("a", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100})
+    assert h == f"handle{sid_a[-1]}" and lb.get_inflight_count(sid_a) == 1
+    lb.release_server(sid_a, request_id="a")
+    sid_b, _ = await lb.acquire_server("b", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100})
+    assert sid_b != sid_a  # a holds 700 of s0's 1000 tokens
+    lb.release_server(sid_b, request_id="b")
+    again, _ = await lb.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+    assert again == sid_a  # affinity: the rank holding its prefix
+    lb.release_server(again, request_id="a")
+    # c fits nowhere while a (900) and b (700) are resident: it waits instead of evicting them.
+    waiting = asyncio.create_task(lb.acquire_server("c", prompt_ids=[1] * 400, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    lb.finish("b")
+    sid_c, _ = await asyncio.wait_for(waiting, 5)
+    assert sid_c == sid_b
+    assert lb.get_status()["ctb"]["admissions"] == 3
+
+
+async def test_idle_trajectories_are_finished_and_readmitted_if_they_return():
+    lb = _lb()
+    sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 500)
+    lb.release_server(sid, request_id="a")
+    await asyncio.sleep(0.4)
+    assert lb.counters["idle_finished"] == 1 and lb.get_status()["ctb"]["ranks"][sid]["usage"] == 0
+    sid2, _ = await lb.acquire_server("a", prompt_ids=[1] * 600)
+    assert lb.get_status()["ctb"]["ranks"][sid2]["usage"] == 600
+
+
+async def test_unplaceable_request_is_routed_without_ctb_not_failed():
+    lb = _lb()
+    sid, _ = await lb.acquire_server("huge", prompt_ids=[1] * 5000)
+    assert lb.counters["bypassed"] == 1 and sid in ("s0", "s1")
+    again, _ = await lb.acquire_server("huge", prompt_ids=[1] * 5100)
+    assert again == sid
+
+
+async def test_removing_a_server_moves_its_trajectories():
+    lb = _lb()
+    sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 300)
+    lb.release_server(sid, request_id="a")
+    lb.remove_servers([sid])
+    other, _ = await lb.acquire_server("a", prompt_ids=[1] * 400)
+    assert other != sid and lb.get_all_servers() == [other]
+
+
+def test_missing_capacity_is_a_clear_error():
+    with pytest.raises(ValueError, match="no KV capacity for server 127.0.0.1:9"):
+        CTBLoadBalancer({"127.0.0.1:9": "h"}, {})

@@ -1,0 +1,172 @@
+"""CTB as verl's rollout load balancer: every turn's generate request passes through CTB.
+
+verl 0.9.1 loads a router plugin from `actor_rollout_ref.rollout.router_config_path` (a YAML file
+with `router_class`; see `verl_tide/conf/router/ctb.yaml`, path printed by
+`verl-tide paths router`). verl's `LLMServerClient` calls `acquire_server` before and
+`release_server` after each turn of a trajectory (one `request_id` per trajectory), so:
+
+- acquire = a turn boundary: the trajectory is admitted (first turn) or reports its real context
+  (`prompt_ids`), and waits here while CTB holds it paused; it is then sent to the rank CTB chose
+  (the rank holding its prefix when it has headroom). No in-flight request is ever aborted.
+- release = the turn's generation ended; the task waits for its environment, still resident.
+- A trajectory ends when its agent loop says so (`finish`; verl-tide's `tide_env_agent` calls it)
+  or, for agent loops that do not, when it has not come back for `idle_finish_s` (its budget is
+  then released; if it does come back it is admitted afresh as a new task).
+
+Budgets come from each engine's real KV capacity, read from its `/metrics` (vLLM or SGLang), or
+from `kv_capacity_tokens` in the YAML. A request CTB cannot place at all (context above every
+rank's budget) is routed like stock verl (least in-flight) and counted as `bypassed`, never failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import urllib.request
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from verl_tide.config import parse_tide_config
+from verl_tide.ctb.gate import TaskFailed, TurnGate
+from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.0) -> Optional[int]:
+    """KV capacity in tokens from an engine's `/metrics`; None if it cannot be read."""
+    try:
+        with urllib.request.urlopen(f"http://{server_address}/metrics", timeout=timeout_s) as r:
+            return EngineMetrics.parse(r.read().decode(), backend).kv_capacity_tokens
+    except (OSError, ValueError) as e:
+        logger.warning("CTB: could not read the KV capacity of %s: %s", server_address, e)
+        return None
+
+
+class CTBLoadBalancer:
+    """A verl `RequestLoadBalancer` (router plugin) that enforces CTB at turn boundaries."""
+
+    def __init__(self, servers: Mapping[str, Any], config: Mapping[str, Any]):
+        raw_ctb = dict(config.get("ctb", {}))
+        self.ctb_config = parse_tide_config({"ctb": raw_ctb}).ctb
+        self.backend = str(config.get("backend", "vllm"))
+        self.idle_finish_s = float(config.get("idle_finish_s", 300.0))
+        self.default_capacity = config.get("kv_capacity_tokens")
+        self.status_path = config.get("status_path")  # if set, get_status() is written here as JSON
+        self.servers: dict[str, Any] = {}
+        self.inflight: dict[str, int] = {}
+        self.bypassed: dict[str, str] = {}  # request id -> server, for requests CTB could not place
+        self.counters = {"bypassed": 0, "idle_finished": 0}
+        self._turns: dict[str, int] = {}
+        self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
+        self.gate = TurnGate(CTBScheduler(self.ctb_config, {}))
+        self.add_servers(dict(servers))
+
+    # ---- verl's RequestLoadBalancer protocol -----------------------------------------------
+    def require_acquire_fields(self) -> list[str]:
+        return ["prompt_ids", "sampling_params"]
+
+    def require_release_fields(self) -> list[str]:
+        return ["request_id"]
+
+    async def acquire_server(self, request_id: str, prompt_ids: Optional[list[int]] = None,
+                             sampling_params: Optional[dict[str, Any]] = None, **_: Any) -> tuple[str, Any]:
+        if request_id in self.bypassed:
+            return self._take(self.bypassed[request_id])
+        context = len(prompt_ids or []) + int((sampling_params or {}).get("max_tokens") or 0)
+        context = max(context, 1)
+        task = self.gate.scheduler.tasks.get(self._tid(request_id))
+        try:
+            if task is None or task.state is TaskState.DONE:
+                if task is not None:  # an idle-finished trajectory came back: admit it as a new task
+                    self._incarnation[request_id] = self._incarnation.get(request_id, 0) + 1
+                await self.gate.admit(self._tid(request_id), group_id=request_id, prompt_tokens=context)
+            rank = await self.gate.before_turn(self._tid(request_id), context)
+        except TaskFailed as e:
+            server = min(self.inflight, key=self.inflight.get)
+            self.bypassed[request_id] = server
+            self.counters["bypassed"] += 1
+            logger.warning("CTB: %s; routing it to %s without CTB", e, server)
+            return self._take(server)
+        self._turns[request_id] = self._turns.get(request_id, 0) + 1
+        return self._take(rank)
+
+    def release_server(self, server_id: str, request_id: Optional[str] = None) -> None:
+        if server_id in self.inflight and self.inflight[server_id] > 0:
+            self.inflight[server_id] -= 1
+        task = self.gate.scheduler.tasks.get(self._tid(request_id)) if request_id is not None else None
+        if task is None or task.state is TaskState.DONE:
+            return
+        self.gate.after_turn(self._tid(request_id))
+        turn = self._turns.get(request_id, 0)
+        asyncio.get_event_loop().call_later(self.idle_finish_s, self._finish_if_idle, request_id, turn)
+
+    def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value) -> None:
+        """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
+        self.bypassed.pop(request_id, None)
+        task = self.gate.scheduler.tasks.get(self._tid(request_id))
+        if task is not None and task.state is not TaskState.DONE:
+            self.gate.finish(self._tid(request_id), Outcome(outcome))
+        if self.status_path:
+            import json
+
+            with open(self.status_path, "w") as f:
+                json.dump(self.get_status(), f)
+
+    def add_servers(self, servers: dict[str, Any]) -> None:
+        for sid, handle in servers.items():
+            capacity = self.default_capacity or engine_kv_capacity(sid, self.backend)
+            if not capacity:
+                raise ValueError(f"CTB router: no KV capacity for server {sid}: its /metrics gave none; set "
+                                 "kv_capacity_tokens in the router YAML")
+            self.servers[sid], self.inflight[sid] = handle, 0
+            self.gate.add_rank(sid, int(capacity))
+
+    def remove_servers(self, server_ids: list[str]) -> None:
+        for sid in server_ids:
+            if sid in self.servers:
+                self.gate.remove_rank(sid)  # its tasks are re-dispatched elsewhere, none lost
+                self.servers.pop(sid)
+                self.inflight.pop(sid)
+        self.bypassed = {r: s for r, s in self.bypassed.items() if s in self.servers}
+
+    def get_all_servers(self) -> list[str]:
+        return list(self.servers)
+
+    def get_inflight_count(self, server_id: str) -> int:
+        return self.inflight.get(server_id, 0)
+
+    def get_total_inflight(self) -> int:
+        return sum(self.inflight.values())
+
+    def clear_sticky_cache(self) -> dict:
+        # After a weight sync every prefix cache is invalid anyway; CTB's budgets still describe
+        # the contexts the tasks will re-prefill, so its state is kept.
+        return {"cleared_entries": 0, "server_loads": dict(self.inflight)}
+
+    def get_status(self) -> dict:
+        s = self.gate.scheduler
+        states: dict[str, int] = {}
+        for task in s.tasks.values():
+            states[task.state.value] = states.get(task.state.value, 0) + 1
+        return {
+            "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
+            "active_servers": len(self.servers),
+            "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
+                    "tasks": states, **s.counters, **self.counters},
+        }
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _take(self, server_id: str) -> tuple[str, Any]:
+        self.inflight[server_id] += 1
+        return server_id, self.servers[server_id]
+
+    def _tid(self, request_id: str) -> tuple[str, int]:
+        return request_id, self._incarnation.get(request_id, 0)
+
+    def _finish_if_idle(self, request_id: str, turn: int) -> None:
+        task = self.gate.scheduler.tasks.get(self._tid(request_id))
+        if task is None or task.state is TaskState.DONE or task.generating or self._turns.get(request_id) != turn:
+            return
+        self.counters["idle_finished"] += 1
+        self.finish(request_id)
