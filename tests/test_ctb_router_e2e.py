@@ -24,23 +24,7 @@ def test_cli_prints_the_shipped_router_yaml():
     assert yaml.safe_load(open(out.stdout.strip()))["router_class"] == "verl_tide.ctb.router.CTBLoadBalancer"
 
 
-@pytest.fixture(scope="module")
-def env_url():
-    import os
-    import signal
-
-    port = 19500 + os.getpid() % 400
-    proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
-                             "--latency-scale", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert "on http://127.0.0.1" in proc.stdout.readline()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
-
-
-def test_every_turn_passes_through_ctb(tiny_model_path, env_url, tmp_path_factory):
+def test_every_turn_passes_through_ctb(tiny_model_path, env_service_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("ctb_router")
     status = work / "ctb_status.json"
     router_yaml = work / "ctb.yaml"
@@ -53,7 +37,7 @@ def test_every_turn_passes_through_ctb(tiny_model_path, env_url, tmp_path_factor
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), steps=1,
                   prompt_length=128, response_length=96)
     overrides = [*grpo_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-                 f"+tide.env.url={env_url}", "+tide.env.max_tokens_per_turn=8",
+                 f"+tide.env.url={env_service_url}", "+tide.env.max_tokens_per_turn=8",
                  f"actor_rollout_ref.rollout.router_config_path={router_yaml}"]
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-5000:]

@@ -55,3 +55,26 @@ def ray_cpu_cluster() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def env_service_url() -> Iterator[str]:
+    """`verl-tide env serve` (reference environment server, no latency) on a free loopback port."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
+                             "--latency-scale", "0", "--session-timeout", "600"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"on http://127.0.0.1:{port}" in line, line
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
