@@ -46,3 +46,11 @@ def test_every_turn_passes_through_ctb(tiny_model_path, env_service_url, tmp_pat
     assert ctb["admissions"] == 8 and ctb["consumed"] == 8  # every trajectory went through CTB and finished
     assert ctb["pauses"] > 0 and ctb["resumes"] > 0  # the 700-token budget forced turn-boundary pauses
     assert ctb["bypassed"] == 0
+    # CTB's pauses reached the environments: their inactivity clocks stopped while paused.
+    # (A pause can race with a trajectory's /end: such calls fail harmlessly and are counted.)
+    assert ctb["env_paused"] > 0 and ctb["env_resumed"] > 0
+    import urllib.request
+
+    with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
+        health = json.load(r)
+    assert health["paused"] == ctb["env_paused"] and health["resumed"] == ctb["env_resumed"]

@@ -289,3 +289,19 @@ def test_cli_serve_and_check(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--env", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--env 'nope': allowed:" in bad.stderr
+
+
+async def test_an_action_on_a_paused_session_does_not_restart_its_clock(served):
+    clock = FakeClock()
+    server, url = await served(session_timeout_s=5.0, clock=clock)
+    async with EnvClient(url) as c:
+        sid = (await c.start(seed=1)).session_id
+        await c.pause(sid)
+        await c.step(sid, "3")  # CTB paused the task while its last action was in flight
+        clock.now += 60.0
+        await c.step(sid, "4")  # still paused: the timeout did not run
+        await c.resume(sid)
+        clock.now += 6.0
+        with pytest.raises(EnvSessionEnded, match="expired"):
+            await c.step(sid, "5")
+    assert server.counters["paused"] == 1 and server.counters["resumed"] == 1

@@ -9,6 +9,9 @@ with `router_class`; see `verl_tide/conf/router/ctb.yaml`, path printed by
   (`prompt_ids`), and waits here while CTB holds it paused; it is then sent to the rank CTB chose
   (the rank holding its prefix when it has headroom). No in-flight request is ever aborted.
 - release = the turn's generation ended; the task waits for its environment, still resident.
+- When CTB pauses a trajectory its environment session gets `/pause` (its inactivity timeout
+  stops), and `/resume` when CTB resumes it, for agent loops that register their session
+  (`register_env_session`; `tide_env_agent` does).
 - A trajectory ends when its agent loop says so (`finish`; verl-tide's `tide_env_agent` calls it)
   or, for agent loops that do not, when it has not come back for `idle_finish_s` (its budget is
   then released; if it does come back it is admitted afresh as a new task).
@@ -59,7 +62,10 @@ class CTBLoadBalancer:
         self.counters = {"bypassed": 0, "idle_finished": 0}
         self._turns: dict[str, int] = {}
         self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
-        self.gate = TurnGate(CTBScheduler(self.ctb_config, {}))
+        self._env_sessions: dict[str, tuple[str, str]] = {}  # request id -> (env service URL, session id)
+        self._env_clients: dict[str, Any] = {}
+        self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0})
+        self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
 
     # ---- verl's RequestLoadBalancer protocol -----------------------------------------------
@@ -101,9 +107,14 @@ class CTBLoadBalancer:
         turn = self._turns.get(request_id, 0)
         asyncio.get_event_loop().call_later(self.idle_finish_s, self._finish_if_idle, request_id, turn)
 
+    def register_env_session(self, request_id: str, env_url: str, session_id: str) -> None:
+        """The trajectory's environment session, to `/pause` and `/resume` with CTB's decisions."""
+        self._env_sessions[request_id] = (env_url, session_id)
+
     def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value) -> None:
         """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
         self.bypassed.pop(request_id, None)
+        self._env_sessions.pop(request_id, None)
         task = self.gate.scheduler.tasks.get(self._tid(request_id))
         if task is not None and task.state is not TaskState.DONE:
             self.gate.finish(self._tid(request_id), Outcome(outcome))
@@ -160,6 +171,27 @@ class CTBLoadBalancer:
     def _take(self, server_id: str) -> tuple[str, Any]:
         self.inflight[server_id] += 1
         return server_id, self.servers[server_id]
+
+    async def _env_pause(self, task_id: tuple[str, int]) -> None:
+        await self._env_call(task_id[0], "pause")
+
+    async def _env_resume(self, task_id: tuple[str, int]) -> None:
+        await self._env_call(task_id[0], "resume")
+
+    async def _env_call(self, request_id: str, verb: str) -> None:
+        target = self._env_sessions.get(request_id)
+        if target is None:
+            return
+        from verl_tide.env.client import EnvClient, EnvError
+
+        url, session_id = target
+        client = self._env_clients.get(url) or self._env_clients.setdefault(url, EnvClient(url, max_retries=2))
+        try:
+            await getattr(client, verb)(session_id)
+            self.counters["env_paused" if verb == "pause" else "env_resumed"] += 1
+        except EnvError as e:  # the environment may have ended meanwhile; CTB's decision stands
+            self.counters["env_pause_failed"] += 1
+            logger.warning("CTB: /%s of %s failed: %s", verb, session_id, e)
 
     def _tid(self, request_id: str) -> tuple[str, int]:
         return request_id, self._incarnation.get(request_id, 0)

@@ -63,14 +63,15 @@ class EnvAgentLoop(AgentLoopBase):
                                            max_payload_bytes=self.env_config.max_payload_bytes)
         return self._clients[key]
 
-    def _tell_router_finished(self, request_id: str, outcome: str) -> None:
-        """Free the trajectory's CTB budget now when verl routes through verl-tide's CTB router."""
+    def _tell_router(self, method: str, *args: Any) -> None:
+        """Best effort: when verl routes through verl-tide's CTB router, tell it about this trajectory
+        (its environment session; that it ended, so its budget is freed now). Stock routers lack these."""
         balancer = getattr(self.server_manager, "_load_balancer", None)
         try:
-            finish = balancer.finish  # only CTBLoadBalancer has it; stock verl routers do not
+            call = getattr(balancer, method)
         except AttributeError:
             return
-        finish.remote(request_id, outcome)
+        call.remote(*args)
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = (kwargs.get("extra_info") or {}).get("tide_env") or {}
@@ -90,6 +91,7 @@ class EnvAgentLoop(AgentLoopBase):
         try:
             start = await client.start(env=spec.get("env"), task=spec.get("task"), seed=spec.get("seed"))
             session_id = start.session_id
+            self._tell_router("register_env_session", request_id, self.url, session_id)
             messages.append({"role": "user", "content": start.observation})
             prompt_ids = await self.ct_build_initial_tokens(messages)
             while True:
@@ -137,7 +139,7 @@ class EnvAgentLoop(AgentLoopBase):
                     self.outcomes["end_failed"] += 1
                     logger.warning("tide_env_agent: /end of %s failed: %s", session_id, e)
         self.outcomes["failed" if stop == "failed" else "completed"] += 1
-        self._tell_router_finished(request_id, "dropped_failed" if stop == "failed" else "consumed")
+        self._tell_router("finish", request_id, "dropped_failed" if stop == "failed" else "consumed")
         if turns == 0:
             # The environment failed before the first action. verl needs every row of the batch
             # (GRPO groups, policy-version tags from the engine), so the row is kept with a

@@ -69,7 +69,7 @@ class EnvServer:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
-        self.counters = {"started": 0, "ended": 0, "expired": 0, "rejected_full": 0}
+        self.counters = {"started": 0, "ended": 0, "expired": 0, "rejected_full": 0, "paused": 0, "resumed": 0}
         self._seq = itertools.count()
         self._runner: Optional[web.AppRunner] = None
         self._reaper: Optional[asyncio.Task] = None
@@ -141,7 +141,6 @@ class EnvServer:
             self._session(sid)  # it may have ended while we waited for the lock
             if session.done:
                 raise _Error("session_ended", f"session {sid}: the episode is done; call /end")
-            session.paused = False  # acting on a session resumes its clock
             try:
                 observation, reward, done, info = session.env.step(action)
             except Exception as e:
@@ -165,6 +164,7 @@ class EnvServer:
     async def _pause(self, request: web.Request) -> web.Response:
         sid = parse_session_request(await self._json(request), "/pause")
         self._session(sid).paused = True
+        self.counters["paused"] += 1
         return web.json_response({"session_id": sid, "paused": True})
 
     async def _resume(self, request: web.Request) -> web.Response:
@@ -172,6 +172,7 @@ class EnvServer:
         session = self._session(sid)
         session.paused = False
         session.last_active = self.clock()  # the timeout restarts from the resume
+        self.counters["resumed"] += 1
         return web.json_response({"session_id": sid, "paused": False})
 
     async def _health(self, request: web.Request) -> web.Response:
