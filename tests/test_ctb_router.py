@@ -74,3 +74,20 @@ async def test_removing_a_server_moves_its_trajectories():
 def test_missing_capacity_is_a_clear_error():
     with pytest.raises(ValueError, match="no KV capacity for server 127.0.0.1:9"):
         CTBLoadBalancer({"127.0.0.1:9": "h"}, {})
+
+
+async def test_router_serves_prometheus_metrics_on_loopback():
+    import urllib.request
+
+    lb = _lb(metrics={"enabled": True, "interval_s": 0.05})
+    try:
+        sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 300)
+        await asyncio.sleep(0.3)
+        assert lb.get_metrics_url().startswith("http://127.0.0.1:")
+        body = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: urllib.request.urlopen(lb.get_metrics_url(), timeout=10).read().decode())
+    finally:
+        lb._metrics_task.cancel()
+    assert f'tide_ctb_rank_tokens{{rank="{sid}"}} 300.0' in body
+    assert 'tide_ctb_rank_budget_tokens{rank="s0"} 1000.0' in body
+    assert 'tide_ctb_decisions_total{kind="admissions"} 1.0' in body

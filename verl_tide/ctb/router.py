@@ -67,6 +67,13 @@ class CTBLoadBalancer:
         self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0})
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
+        self.metrics_url: Optional[str] = None
+        self._metrics_refresh: Any = None
+        self._metrics_task: Optional[asyncio.Task] = None
+        metrics_cfg = dict(config.get("metrics") or {})
+        if metrics_cfg.get("enabled"):
+            self._start_metrics(str(metrics_cfg.get("host", "127.0.0.1")), int(metrics_cfg.get("port", 0)),
+                                float(metrics_cfg.get("interval_s", 5.0)))
 
     # ---- verl's RequestLoadBalancer protocol -----------------------------------------------
     def require_acquire_fields(self) -> list[str]:
@@ -77,6 +84,7 @@ class CTBLoadBalancer:
 
     async def acquire_server(self, request_id: str, prompt_ids: Optional[list[int]] = None,
                              sampling_params: Optional[dict[str, Any]] = None, **_: Any) -> tuple[str, Any]:
+        self._ensure_metrics_task()
         if request_id in self.bypassed:
             return self._take(self.bypassed[request_id])
         context = len(prompt_ids or []) + int((sampling_params or {}).get("max_tokens") or 0)
@@ -167,7 +175,46 @@ class CTBLoadBalancer:
                     "tasks": states, **s.counters, **self.counters},
         }
 
+    def get_metrics_url(self) -> Optional[str]:
+        return self.metrics_url
+
     # ---- helpers ---------------------------------------------------------------------------
+    def _start_metrics(self, host: str, port: int, interval_s: float) -> None:
+        """Serve Prometheus `/metrics` (CTB per-rank tokens and budgets, task states, decisions,
+        outcomes, and each engine's prefix-cache hit rate since start-up), refreshed every interval."""
+        from verl_tide.metrics import TideMetrics, prefix_hit_rate
+
+        self._metrics = TideMetrics()
+        server, _ = self._metrics.serve(host, port)
+        self.metrics_url = f"http://{host}:{server.server_address[1]}/metrics"
+        first: dict[str, EngineMetrics] = {}
+
+        def scrape_engines() -> dict[str, float]:
+            rates = {}
+            for sid in list(self.servers):
+                try:
+                    with urllib.request.urlopen(f"http://{sid}/metrics", timeout=5) as r:
+                        now = EngineMetrics.parse(r.read().decode(), self.backend)
+                except (OSError, ValueError):
+                    continue
+                rates[sid] = prefix_hit_rate(first.setdefault(sid, now), now)
+            return rates
+
+        async def refresh() -> None:
+            while True:
+                self._metrics.update_from_ctb(self.gate.scheduler)
+                rates = await asyncio.get_running_loop().run_in_executor(None, scrape_engines)
+                self._metrics.update_hit_rates(rates)
+                await asyncio.sleep(interval_s)
+
+        self._metrics_refresh = refresh
+        self._metrics.update_from_ctb(self.gate.scheduler)
+
+    def _ensure_metrics_task(self) -> None:
+        # Started from the first request: Ray builds actors outside their event loop.
+        if self._metrics_refresh is not None and self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_refresh())
+
     def _take(self, server_id: str) -> tuple[str, Any]:
         self.inflight[server_id] += 1
         return server_id, self.servers[server_id]
