@@ -76,6 +76,7 @@ class SchedulerOutput:
 class _Rank:
     budget: int
     usage: int = 0  # shared prompts of the groups resident here + every resident task's own tokens
+    residents: dict[Hashable, "Task"] = field(default_factory=dict)
     group_residents: dict[Hashable, int] = field(default_factory=dict)
     type_counts: dict[str, int] = field(default_factory=dict)
 
@@ -90,6 +91,8 @@ class CTBScheduler:
         self._group_probing: set[Hashable] = set()
         self._group_prompt: dict[Hashable, int] = {}  # shared prompt length per GRPO group
         self._admission_allowance: Optional[int] = None
+        # Tasks by state (insertion-ordered) so a tick touches only the tasks that can change.
+        self._by_state: dict[TaskState, dict[TaskId, Task]] = {s: {} for s in TaskState}
         self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
         for rank, capacity in rank_kv_capacity.items():
             self.add_rank(rank, capacity)
@@ -101,8 +104,9 @@ class CTBScheduler:
             raise ValueError(f"task {task_id!r} was already added")
         if prompt_tokens <= 0 or group_size <= 0:
             raise ValueError(f"task {task_id!r}: prompt_tokens and group_size must be > 0")
-        self.tasks[task_id] = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
-                                   seq=len(self.tasks))
+        self.tasks[task_id] = task = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
+                                          seq=len(self.tasks))
+        self._by_state[TaskState.QUEUED][task_id] = task
         self._group_prompt.setdefault(group_id, prompt_tokens)  # a GRPO group shares its first task's prompt
 
     def turn_started(self, task_id: TaskId, context_tokens: int) -> None:
@@ -131,7 +135,8 @@ class CTBScheduler:
             self._release(task)
         if task.context_tokens == 0:
             self._group_probing.discard(task.group_id)  # the probe ended before its first turn
-        task.state, task.outcome, task.reason, task.generating = TaskState.DONE, outcome, reason, False
+        self._set_state(task, TaskState.DONE)
+        task.outcome, task.reason, task.generating = outcome, reason, False
         self._group_done[task.group_id] = self._group_done.get(task.group_id, 0) + 1
         self.counters[outcome.value] += 1
 
@@ -153,13 +158,13 @@ class CTBScheduler:
         if rank not in self.ranks:
             raise KeyError(f"rank {rank!r} is not known")
         moved = []
-        for task in self.tasks.values():
-            if task.rank == rank and task.state in (TaskState.RESIDENT, TaskState.PAUSED):
-                if task.state is TaskState.RESIDENT:
-                    self._release(task)
-                    task.state = TaskState.PAUSED
-                    task.generating = False
-                    moved.append(task.task_id)
+        for task in list(self.ranks[rank].residents.values()):
+            self._release(task)
+            self._set_state(task, TaskState.PAUSED)
+            task.generating = False
+            moved.append(task.task_id)
+        for task in self._by_state[TaskState.PAUSED].values():
+            if task.rank == rank:
                 task.rank = None
         del self.ranks[rank]
         return moved
@@ -183,7 +188,7 @@ class CTBScheduler:
         self._pause_over_budget(out)
         self._fail_oversize(out)
         self._resume_paused(out)
-        if not any(t.state is TaskState.PAUSED for t in self.tasks.values()):
+        if not self._by_state[TaskState.PAUSED]:
             self._admit_new(out)
         return out
 
@@ -193,14 +198,16 @@ class CTBScheduler:
                 victim = min(self._resident_on(rank_id), key=self._order)
                 reason = f"rank over budget ({rank.usage} > {rank.budget}); lowest priority"
                 self._release(victim)
-                victim.state, victim.generating = TaskState.PAUSED, False
+                self._set_state(victim, TaskState.PAUSED)
+                victim.generating = False
                 self.counters["pauses"] += 1
                 out.pauses.append(Decision(victim.task_id, rank_id, reason))
 
     def _fail_oversize(self, out: SchedulerOutput) -> None:
         largest = max((r.budget for r in self.ranks.values()), default=0)
-        for task in list(self.tasks.values()):
-            if task.state in (TaskState.PAUSED, TaskState.QUEUED) and self.ranks and self.footprint(task) > largest:
+        candidates = [*self._by_state[TaskState.PAUSED].values(), *self._by_state[TaskState.QUEUED].values()]
+        for task in candidates:
+            if self.ranks and self.footprint(task) > largest:
                 reason = f"context {self.footprint(task)} tokens exceeds the largest rank budget {largest}"
                 self.task_finished(task.task_id, Outcome.DROPPED_FAILED, reason)
                 out.failed.append(Decision(task.task_id, task.rank, reason))
@@ -222,7 +229,7 @@ class CTBScheduler:
             out.resumes.append(Decision(task.task_id, rank, why))
 
     def _admit_new(self, out: SchedulerOutput) -> None:
-        resident = sum(1 for t in self.tasks.values() if t.state is TaskState.RESIDENT)
+        resident = len(self._by_state[TaskState.RESIDENT])
         for task in sorted(self._in_state(TaskState.QUEUED), key=self._order, reverse=True):
             if self._admission_allowance is not None and self._admission_allowance <= 0:
                 return
@@ -249,15 +256,13 @@ class CTBScheduler:
 
     def _best_rank(self, task: Task, need: int) -> Optional[RankId]:
         best, best_score = None, -math.inf
-        group_ranks = {t.rank for t in self.tasks.values()
-                       if t.group_id == task.group_id and t.state is TaskState.RESIDENT}
         for rank_id, rank in self.ranks.items():
             need_here = need - (self._shared_prompt(task) if rank.group_residents.get(task.group_id) else 0)
             if rank.budget - rank.usage < need_here:
                 continue
             score = (rank.budget - rank.usage - need_here) / rank.budget
             score -= self.config.diversity_penalty * rank.type_counts.get(task.task_type, 0)
-            score += 1.0 if rank_id in group_ranks else 0.0  # the group's shared prompt is cached there
+            score += 1.0 if rank.group_residents.get(task.group_id) else 0.0  # its group's prompt is cached there
             if score > best_score:
                 best, best_score = rank_id, score
         return best
@@ -265,7 +270,9 @@ class CTBScheduler:
     def _place(self, task: Task, rank_id: RankId) -> None:
         rank = self.ranks[rank_id]
         shared = self._shared_prompt(task)
-        task.state, task.rank, task.charged = TaskState.RESIDENT, rank_id, max(self.footprint(task) - shared, 0)
+        self._set_state(task, TaskState.RESIDENT)
+        task.rank, task.charged = rank_id, max(self.footprint(task) - shared, 0)
+        rank.residents[task.task_id] = task
         if not rank.group_residents.get(task.group_id):
             rank.usage += shared  # the group's prompt is cached once per rank
         rank.group_residents[task.group_id] = rank.group_residents.get(task.group_id, 0) + 1
@@ -274,6 +281,7 @@ class CTBScheduler:
 
     def _release(self, task: Task) -> None:
         rank = self.ranks[task.rank]
+        rank.residents.pop(task.task_id, None)
         rank.usage -= task.charged
         rank.group_residents[task.group_id] -= 1
         if not rank.group_residents[task.group_id]:
@@ -292,10 +300,15 @@ class CTBScheduler:
         return self._group_prompt[task.group_id]
 
     def _resident_on(self, rank_id: RankId) -> Iterable[Task]:
-        return [t for t in self.tasks.values() if t.state is TaskState.RESIDENT and t.rank == rank_id]
+        return list(self.ranks[rank_id].residents.values())
 
     def _in_state(self, state: TaskState) -> list[Task]:
-        return [t for t in self.tasks.values() if t.state is state]
+        return list(self._by_state[state].values())
+
+    def _set_state(self, task: Task, state: TaskState) -> None:
+        self._by_state[task.state].pop(task.task_id, None)
+        task.state = state
+        self._by_state[state][task.task_id] = task
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)
