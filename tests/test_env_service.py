@@ -305,3 +305,27 @@ async def test_an_action_on_a_paused_session_does_not_restart_its_clock(served):
         with pytest.raises(EnvSessionEnded, match="expired"):
             await c.step(sid, "5")
     assert server.counters["paused"] == 1 and server.counters["resumed"] == 1
+
+
+async def test_a_registered_custom_environment_is_hosted(served):
+    from verl_tide.env.envs import ENVIRONMENTS, PRESETS, Environment, EnvPreset, register_environment
+
+    class Echo(Environment):
+        def reset(self, task):
+            return "say something"
+
+        def step(self, action):
+            return f"you said {action}", float(len(action)), True, {}
+
+    register_environment("echo", Echo, EnvPreset("echo", max_turns=1, observation_words=0, step_latency_s=0.0))
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_environment("echo", Echo)
+        server, url = await served()
+        async with EnvClient(url) as c:
+            r = await c.start(env="echo")
+            s = await c.step(r.session_id, "hi")
+            assert (s.observation, s.reward, s.done) == ("you said hi", 2.0, True)
+    finally:
+        ENVIRONMENTS.pop("echo", None)
+        PRESETS.pop("echo", None)

@@ -17,6 +17,7 @@ import random
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 from typing import Any
 
 _FILLER = ("the", "page", "shows", "a", "list", "of", "options", "and", "status", "lines", "with", "details",
@@ -149,6 +150,18 @@ class ShopEnv(Environment):
 
 
 ENVIRONMENTS: dict[str, type[Environment]] = {"guess": GuessEnv, "shop": ShopEnv}
+
+
+def register_environment(name: str, cls: type[Environment], preset: EnvPreset | None = None) -> None:
+    """Host your own environment in the reference server: an `Environment` subclass under `name`
+    (and optionally a preset of the same name for its turn limit, observation size and latency)."""
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise TypeError(f"register_environment({name!r}): {cls!r} is not an Environment subclass")
+    if name in ENVIRONMENTS or name in PRESETS:
+        raise ValueError(f"environment {name!r} is already registered")
+    ENVIRONMENTS[name] = cls
+    if preset is not None:
+        PRESETS[name] = dataclass_replace(preset, env=name)
 
 
 def make_environment(preset_name: str, seed: int | None) -> Environment:
