@@ -93,6 +93,8 @@ class CTBScheduler:
         self._admission_allowance: Optional[int] = None
         # Tasks by state (insertion-ordered) so a tick touches only the tasks that can change.
         self._by_state: dict[TaskState, dict[TaskId, Task]] = {s: {} for s in TaskState}
+        self._recheck_queued = True  # queued footprints may exceed every budget: check them next tick
+        self._checked_largest = 0
         self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
         for rank, capacity in rank_kv_capacity.items():
             self.add_rank(rank, capacity)
@@ -107,6 +109,7 @@ class CTBScheduler:
         self.tasks[task_id] = task = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
                                           seq=len(self.tasks))
         self._by_state[TaskState.QUEUED][task_id] = task
+        self._recheck_queued = True
         self._group_prompt.setdefault(group_id, prompt_tokens)  # a GRPO group shares its first task's prompt
 
     def turn_started(self, task_id: TaskId, context_tokens: int) -> None:
@@ -119,6 +122,7 @@ class CTBScheduler:
         if task.context_tokens == 0 and task.group_id not in self._group_probe:
             self._group_probe[task.group_id] = context_tokens  # the group's probe footprint
             self._group_probing.discard(task.group_id)
+            self._recheck_queued = True
         task.context_tokens = context_tokens
         own = max(context_tokens - self._shared_prompt(task), 0)
         self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
@@ -205,7 +209,11 @@ class CTBScheduler:
 
     def _fail_oversize(self, out: SchedulerOutput) -> None:
         largest = max((r.budget for r in self.ranks.values()), default=0)
-        candidates = [*self._by_state[TaskState.PAUSED].values(), *self._by_state[TaskState.QUEUED].values()]
+        candidates = list(self._by_state[TaskState.PAUSED].values())
+        if self._recheck_queued or largest < self._checked_largest:
+            # Queued footprints change only when tasks or group probes arrive, or ranks shrink.
+            candidates += self._by_state[TaskState.QUEUED].values()
+            self._recheck_queued, self._checked_largest = False, largest
         for task in candidates:
             if self.ranks and self.footprint(task) > largest:
                 reason = f"context {self.footprint(task)} tokens exceeds the largest rank budget {largest}"
@@ -230,7 +238,10 @@ class CTBScheduler:
 
     def _admit_new(self, out: SchedulerOutput) -> None:
         resident = len(self._by_state[TaskState.RESIDENT])
-        for task in sorted(self._in_state(TaskState.QUEUED), key=self._order, reverse=True):
+        if not self._by_state[TaskState.QUEUED] or max(
+                (r.budget - r.usage for r in self.ranks.values()), default=0) <= 0:
+            return
+        for task in self._admission_order():
             if self._admission_allowance is not None and self._admission_allowance <= 0:
                 return
             if self.config.env_concurrency and resident >= self.config.env_concurrency:
@@ -248,6 +259,16 @@ class CTBScheduler:
                 self._admission_allowance -= 1
             self.counters["admissions"] += 1
             out.admissions.append(Decision(task.task_id, rank, "admitted"))
+
+    def _admission_order(self) -> list[Task]:
+        """Queued tasks, highest priority first. The members of one GRPO group share the terms of
+        P(t) that matter before they run (eval, group completion, footprint), so groups are ranked
+        by their first queued member and members follow in arrival order: one priority per group."""
+        groups: dict[Hashable, list[Task]] = {}
+        for task in self._by_state[TaskState.QUEUED].values():
+            groups.setdefault(task.group_id, []).append(task)
+        ranked = sorted(groups.values(), key=lambda members: self._order(members[0]), reverse=True)
+        return [task for members in ranked for task in members]
 
     # ---- helpers ---------------------------------------------------------------------------
     def _order(self, task: Task) -> tuple:
