@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -271,7 +270,11 @@ async def test_conformance_kit_fails_a_broken_server():
 
 
 def test_cli_serve_and_check(tmp_path):
-    port = 18000 + os.getpid() % 1000
+    import socket
+
+    with socket.socket() as sock:  # a free loopback port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
                                "--session-timeout", "1", "--latency-scale", "0"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
