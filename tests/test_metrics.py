@@ -65,3 +65,28 @@ def test_exporter_serves_ctb_state_on_loopback():
     assert 'tide_ctb_decisions_total{kind="admissions"} 2.0' in body
     assert 'tide_tasks_finished_total{outcome="consumed"} 1.0' in body
     assert 'tide_engine_prefix_cache_hit_rate{rank="r0"} 0.42' in body
+
+
+def test_exporter_reports_an_ers_step():
+    from prometheus_client import generate_latest
+
+    from verl_tide.config import ERSConfig
+    from verl_tide.ers.policy import ERSPolicy, Role
+    from verl_tide.readiness import ReadinessSignals
+
+    signals = ReadinessSignals(ready_at_start=3, time_per_ready_microbatch=1.5, tprm_smoothed=1.25, hol_latency=9.0,
+                               ready_volume=40, mean_step_time=5.0, generation_deficit=False,
+                               consumption_deficit=True, rollout_wait_s=2.5, trainer_wait_s=0.0)
+    policy = ERSPolicy(config=dataclasses.replace(ERSConfig(), max_moves_per_step=1), ideal_batch=32,
+                       confirm_steps=1)
+    roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
+    plan = policy.plan(7, signals, roles)
+    metrics = TideMetrics()
+    metrics.update_from_ers(plan, signals, roles)
+    body = generate_latest(metrics.registry).decode()
+    assert 'tide_ers_ranks{role="rollout"} 2.0' in body and 'tide_ers_ranks{role="ref"} 1.0' in body
+    assert 'tide_ers_rank_moves_total{dst="ref",src="rollout"} 1.0' in body
+    assert 'step="7"' in body and 'ra2p_mode="decoupled"' in body and "consumption deficit" in body
+    assert 'tide_readiness{signal="rollout_wait_s"} 2.5' in body
+    assert 'tide_readiness{signal="hol_latency_s"} 9.0' in body
+    assert 'tide_readiness{signal="batch_size"} 32.0' in body

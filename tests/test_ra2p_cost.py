@@ -75,3 +75,23 @@ def test_bad_arguments():
         colocated_cost([0.0], T, 0)
     with pytest.raises(ValueError, match="hysteresis"):
         choose_mode([0.0], T, 1, 1, hysteresis=1.0)
+
+
+def test_stage_timer_learns_per_token_rates_online():
+    from verl_tide.ra2p.cost import StageTimer
+
+    timer = StageTimer(smoothing=0.5)
+    assert not timer.ready
+    with pytest.raises(RuntimeError, match=r"\['ref', 'act_f', 'act_b', 'swap'\]"):
+        timer.stage_times(100)
+    timer.observe("ref", 1000, 1.0)     # 1 ms / token
+    timer.observe("ref", 1000, 3.0)     # 3 ms / token -> smoothed 2 ms
+    timer.observe("act_f", 500, 1.0)
+    timer.observe("act_b", 500, 2.0)
+    timer.observe("swap", 0, 4.0)
+    t = timer.stage_times(100)
+    assert (t.t_ref, t.t_act_f, t.t_act_b, t.t_swap) == pytest.approx((0.2, 0.2, 0.4, 4.0))
+    with pytest.raises(ValueError, match="must be one of ref"):
+        timer.observe("critic", 1, 1.0)
+    with pytest.raises(ValueError, match="need tokens > 0"):
+        timer.observe("ref", 0, 1.0)

@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from verl_tide.ctb.policy import CTBScheduler
+    from verl_tide.ers.policy import Role, ScalingPlan
+    from verl_tide.readiness import ReadinessSignals
 
 # Per backend: (prefix-cache queried-token counter, hit-token counter, preemption counter).
 _PREFIX_COUNTERS = {
@@ -88,6 +90,11 @@ class TideMetrics:
         self.hit_rate = Gauge("tide_engine_prefix_cache_hit_rate", "Engine prefix-cache hit rate", ["rank"],
                               registry=r)
         self._seen: dict[str, float] = {}
+        self.ers_ranks = Gauge("tide_ers_ranks", "Elastic ranks per role", ["role"], registry=r)
+        self.ers_moves = Counter("tide_ers_rank_moves", "Ranks moved between roles", ["src", "dst"], registry=r)
+        self.ers_plan = Gauge("tide_ers_last_plan_info", "The last ERS plan (value 1) and its reason",
+                              ["step", "ra2p_mode", "reason"], registry=r)
+        self.readiness = Gauge("tide_readiness", "Readiness signals after the last step", ["signal"], registry=r)
 
     def update_from_ctb(self, scheduler: CTBScheduler) -> None:
         from verl_tide.ctb.policy import TaskState
@@ -106,6 +113,26 @@ class TideMetrics:
                 metric = self.decisions if key in ("pauses", "resumes", "admissions") else self.outcomes
                 metric.labels(**({"kind": key} if metric is self.decisions else {"outcome": key})).inc(delta)
             self._seen[key] = value
+
+    def update_from_ers(self, plan: ScalingPlan, signals: ReadinessSignals, roles: Mapping[int, Role]) -> None:
+        """One step of ERS: ranks per role after the plan, the plan and its reason, RWT, TWT, RAS, TPRM, HoL."""
+        counts: dict[str, int] = {}
+        for role in roles.values():
+            counts[role.value] = counts.get(role.value, 0) + 1
+        for move in plan.moves:
+            counts[move.src.value] = counts.get(move.src.value, 0) - 1
+            counts[move.dst.value] = counts.get(move.dst.value, 0) + 1
+            self.ers_moves.labels(src=move.src.value, dst=move.dst.value).inc()
+        for role, n in counts.items():
+            self.ers_ranks.labels(role=role).set(n)
+        self.ers_plan.clear()  # only the latest plan is exported
+        self.ers_plan.labels(step=str(plan.step), ra2p_mode=plan.ra2p_mode.value, reason=plan.reason).set(1)
+        for name, value in (("rollout_wait_s", signals.rollout_wait_s), ("trainer_wait_s", signals.trainer_wait_s),
+                            ("ready_at_start", signals.ready_at_start), ("hol_latency_s", signals.hol_latency),
+                            ("time_per_ready_microbatch_s", signals.tprm_smoothed),
+                            ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size)):
+            if value is not None:
+                self.readiness.labels(signal=name).set(value)
 
     def update_hit_rates(self, rates: Mapping[str, float]) -> None:
         for rank, rate in rates.items():

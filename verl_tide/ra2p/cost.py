@@ -67,6 +67,41 @@ def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregat
     return clock
 
 
+class StageTimer:
+    """Per-token rates of Ref forward, Actor forward and Actor backward, and the swap time, learned
+    online from what the workers report (exponentially smoothed), so the cost model runs on
+    measured times rather than guesses. Feed `observe(stage, tokens, seconds)` after each pass."""
+
+    STAGES = ("ref", "act_f", "act_b", "swap")
+
+    def __init__(self, smoothing: float = 0.2):
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"StageTimer.smoothing = {smoothing!r}: must be 0 < x <= 1")
+        self.smoothing = smoothing
+        self._rate: dict[str, float] = {}
+
+    def observe(self, stage: str, tokens: int, seconds: float) -> None:
+        if stage not in self.STAGES:
+            raise ValueError(f"stage = {stage!r}: must be one of {' | '.join(self.STAGES)}")
+        if seconds < 0 or (stage != "swap" and tokens <= 0):
+            raise ValueError(f"{stage}: tokens = {tokens}, seconds = {seconds}: need tokens > 0, seconds >= 0")
+        value = seconds if stage == "swap" else seconds / tokens  # swap time does not scale with tokens
+        old = self._rate.get(stage)
+        self._rate[stage] = value if old is None else self.smoothing * value + (1 - self.smoothing) * old
+
+    @property
+    def ready(self) -> bool:
+        return all(s in self._rate for s in self.STAGES)
+
+    def stage_times(self, tokens_per_micro_batch: int) -> StageTimes:
+        """The measured times for a micro-batch of this many tokens."""
+        if not self.ready:
+            missing = [s for s in self.STAGES if s not in self._rate]
+            raise RuntimeError(f"no measurement yet for stage(s) {missing}")
+        r = self._rate
+        return StageTimes.from_token_rates(tokens_per_micro_batch, r["ref"], r["act_f"], r["act_b"], r["swap"])
+
+
 @dataclass(frozen=True)
 class ModeChoice:
     mode: RA2PMode
