@@ -270,18 +270,11 @@ async def test_conformance_kit_fails_a_broken_server():
 
 
 def test_cli_serve_and_check(tmp_path):
-    import socket
+    from verl_tide.testing.pytest_plugin import spawn_env_service
 
-    with socket.socket() as sock:  # a free loopback port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
-                               "--session-timeout", "1", "--latency-scale", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server, url = spawn_env_service("--session-timeout", "1")
     try:
-        line = server.stdout.readline()
-        assert f"on http://127.0.0.1:{port}" in line, line
-        check = subprocess.run([sys.executable, "-m", "verl_tide.cli", "env", "check", f"http://127.0.0.1:{port}"],
+        check = subprocess.run([sys.executable, "-m", "verl_tide.cli", "env", "check", url],
                                capture_output=True, text=True, timeout=120)
         assert check.returncode == 0, check.stdout + check.stderr
         assert "12 passed, 0 failed, 0 skipped" in check.stdout

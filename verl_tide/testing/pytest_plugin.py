@@ -10,6 +10,7 @@ import glob
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -57,24 +58,33 @@ def ray_cpu_cluster() -> Iterator[None]:
                 os.environ[k] = v
 
 
-@pytest.fixture(scope="module")
-def env_service_url() -> Iterator[str]:
-    """`verl-tide env serve` (reference environment server, no latency) on a free loopback port."""
-    import signal
+def spawn_env_service(*extra_args: str) -> tuple[Any, str]:
+    """Start `verl-tide env serve` (no latency) on a free loopback port; returns (process, base URL)."""
     import socket
     import subprocess
     import sys
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
-                             "--latency-scale", "0", "--session-timeout", "600"],
+                             "--latency-scale", "0", *extra_args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    if f"on http://127.0.0.1:{port}" not in line:
+        proc.kill()
+        raise RuntimeError(f"verl-tide env serve did not start: {line!r}")
+    return proc, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def env_service_url() -> Iterator[str]:
+    """The reference environment server for a test module; stopped (SIGTERM) afterwards."""
+    import signal
+
+    proc, url = spawn_env_service("--session-timeout", "600")
     try:
-        line = proc.stdout.readline()
-        assert f"on http://127.0.0.1:{port}" in line, line
-        yield f"http://127.0.0.1:{port}"
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
