@@ -82,11 +82,6 @@ def plan_tasks(w: Workload, vocab: int, salt: int) -> list[TaskPlan]:
 
 
 # ---- engine -------------------------------------------------------------------------------------
-def scrape(url: str, backend: str = "vllm") -> EngineMetrics:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        return EngineMetrics.parse(r.read().decode(), backend)
-
-
 def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path,
                dtype: str = "float32") -> subprocess.Popen:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -147,11 +142,11 @@ async def run_workload(url: str, model: str, tasks: list[TaskPlan], w: Workload,
         completed += 1
         tokens += len(context)
 
-    before = scrape(url)
+    before = EngineMetrics.scrape(url, "vllm", timeout_s=30)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
         await asyncio.gather(*(one(http, t) for t in tasks))
     makespan = time.monotonic() - start
-    after = scrape(url)
+    after = EngineMetrics.scrape(url, "vllm", timeout_s=30)
     result = {
         "prefix_hit_rate": prefix_hit_rate(before, after),
         "throughput_tok_s": tokens / makespan,
@@ -201,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         proc = start_vllm(model, port, args.num_blocks, 8192, work / "vllm.log", args.dtype)
     try:
         wait_ready(url, proc)
-        capacity = scrape(url).kv_capacity_tokens or 0
+        capacity = EngineMetrics.scrape(url, "vllm", timeout_s=30).kv_capacity_tokens or 0
         if capacity <= 0:
             raise RuntimeError("could not read the KV capacity (vllm:cache_config_info) from /metrics")
         print(f"[ctb_vllm] KV capacity {capacity} tokens; {w.groups} groups x {w.group_size} tasks", flush=True)

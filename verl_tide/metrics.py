@@ -69,6 +69,14 @@ class EngineMetrics:
                              "endpoint enabled, e.g. SGLang --enable-metrics?)")
         return cls(backend, counter(queried) or 0.0, counter(hits) or 0.0, counter(preempt), capacity, usage)
 
+    @classmethod
+    def scrape(cls, base_url: str, backend: str, timeout_s: float = 10.0) -> EngineMetrics:
+        """GET `{base_url}/metrics` and parse it (raises OSError / ValueError when it cannot)."""
+        import urllib.request
+
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+            return cls.parse(r.read().decode(), backend)
+
 
 def prefix_hit_rate(before: EngineMetrics, after: EngineMetrics) -> float:
     """Fraction of prompt tokens served from the prefix cache between two scrapes."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import urllib.request
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -36,11 +35,11 @@ from verl_tide.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
+
 def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.0) -> Optional[int]:
     """KV capacity in tokens from an engine's `/metrics`; None if it cannot be read."""
     try:
-        with urllib.request.urlopen(f"http://{server_address}/metrics", timeout=timeout_s) as r:
-            return EngineMetrics.parse(r.read().decode(), backend).kv_capacity_tokens
+        return EngineMetrics.scrape(f"http://{server_address}", backend, timeout_s).kv_capacity_tokens
     except (OSError, ValueError) as e:
         logger.warning("CTB: could not read the KV capacity of %s: %s", server_address, e)
         return None
@@ -193,8 +192,7 @@ class CTBLoadBalancer:
             rates = {}
             for sid in list(self.servers):
                 try:
-                    with urllib.request.urlopen(f"http://{sid}/metrics", timeout=5) as r:
-                        now = EngineMetrics.parse(r.read().decode(), self.backend)
+                    now = EngineMetrics.scrape(f"http://{sid}", self.backend, timeout_s=5)
                 except (OSError, ValueError):
                     continue
                 rates[sid] = prefix_hit_rate(first.setdefault(sid, now), now)
