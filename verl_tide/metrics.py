@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 if TYPE_CHECKING:
     from verl_tide.ctb.policy import CTBScheduler
     from verl_tide.ers.policy import Role, ScalingPlan
+    from verl_tide.ledger import GoodputLedger
     from verl_tide.readiness import ReadinessSignals
 
 # Per backend: (prefix-cache queried-token counter, hit-token counter, preemption counter).
@@ -103,6 +104,8 @@ class TideMetrics:
         self.ers_plan = Gauge("tide_ers_last_plan_info", "The last ERS plan (value 1) and its reason",
                               ["step", "ra2p_mode", "reason"], registry=r)
         self.readiness = Gauge("tide_readiness", "Readiness signals after the last step", ["signal"], registry=r)
+        self.ledger = Gauge("tide_goodput_ledger", "Goodput ledger: groups, samples and tokens by outcome; "
+                            "goodput_tok_s", ["quantity"], registry=r)
 
     def update_from_ctb(self, scheduler: CTBScheduler) -> None:
         from verl_tide.ctb.policy import TaskState
@@ -141,6 +144,11 @@ class TideMetrics:
                             ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
+
+    def update_from_ledger(self, ledger: GoodputLedger) -> None:
+        """Where every group and token went so far, and goodput."""
+        for key, value in ledger.snapshot(prefix="").items():
+            self.ledger.labels(quantity=key.lstrip("/")).set(value)
 
     def update_hit_rates(self, rates: Mapping[str, float]) -> None:
         for rank, rate in rates.items():

@@ -81,6 +81,7 @@ class ReadinessTracker:
     _ready: dict[Hashable, _Ready] = field(default_factory=dict)
     _step_start: Optional[float] = None
     _step_ready_times: list[float] = field(default_factory=list)
+    last_ready_times: list[float] = field(default_factory=list)  # last finished step's, seconds after its start
     _last_ras: int = 0
     _last_tprm: Optional[float] = None
     _tprm_smoothed: Optional[float] = None
@@ -119,6 +120,10 @@ class ReadinessTracker:
             raise KeyError(f"micro-batch {mb_id!r} was never reported ready (or was consumed twice)") from None
         self._step_ready_times.append(ready.at - self._step_start)
 
+    def micro_batch_dropped(self, mb_id: Hashable) -> None:
+        """The micro-batch left the buffer without training (stale, filtered): it no longer ages HoL."""
+        self._ready.pop(mb_id, None)
+
     def rollout_waited(self, seconds: float) -> None:
         """Rollout idled (staleness bound reached, buffer full, waiting for weights)."""
         self._rwt += max(0.0, seconds)
@@ -131,6 +136,7 @@ class ReadinessTracker:
         if self._step_start is None:
             raise RuntimeError("step_finished before step_started")
         duration = self._now(t) - self._step_start
+        self.last_ready_times = sorted(self._step_ready_times)
         self._last_ras = ready_at_start(self._step_ready_times)
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
         if self._last_tprm is not None:

