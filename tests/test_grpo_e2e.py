@@ -58,14 +58,3 @@ def test_rollout_log_probs_match_the_actor_after_a_weight_sync(stock_run):
     # fp32 on both sides (FSDP mixed precision and vLLM dtype): agreement to ~1e-9 was seen here.
     assert step2["training/rollout_probs_diff_max"] < 1e-5, step2
     assert step2["rollout_corr/log_ppl_abs_diff"] < 1e-5, step2
-
-
-def test_tide_trainer_is_built_by_task_runner_and_names_what_is_missing(job, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tide_grpo")
-    run = run_main_ppo([*grpo_overrides(job), "+tide=enabled"], cwd=work, log_path=work / "main_ppo.log",
-                       timeout_s=600)
-    assert run.returncode != 0
-    assert "TaskRunnerV1" in run.output
-    assert "verl-tide trainer 'tide' was constructed and its config is valid" in run.output, run.output[-4000:]
-    assert "are not built yet" in run.output
-    assert "step:1" not in run.output  # no silent fallback to another trainer's loop

@@ -234,11 +234,30 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/ers/elastic_batch": float(plan.batch_size),
             "tide/ra2p/uses_ref": float(self.use_reference_policy),
         })
+        m.update(self._ctb_metrics())
         print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} (not applied: elastic ranks are not "
               f"built yet); RA2P: {self._ra2p_text()}; ledger: {self._ledger_text()}", flush=True)
         if self.tide_metrics is not None:
             self.tide_metrics.update_from_ers(plan, signals, self.rollout_roles)
             self.tide_metrics.update_from_ledger(self.ledger)
+        return m
+
+    def _ctb_metrics(self) -> dict[str, float]:
+        """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""
+        if not self.tide_config.ctb.enabled:
+            return {}
+        import ray
+
+        try:
+            status = ray.get(self.standalone_server_manager.global_load_balancer.get_status.remote(), timeout=30)
+        except Exception as e:  # observability must not stop training
+            logger.warning("verl-tide: could not read CTB status: %s", e)
+            return {}
+        ctb = status["ctb"]
+        m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}
+        m.update({f"tide/ctb/tasks_{state}": float(n) for state, n in ctb["tasks"].items()})
+        m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
+        m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
         return m
 
     def _ra2p_text(self) -> str:

@@ -48,6 +48,10 @@ PRESETS: dict[str, EnvPreset] = {
     "sciboard": EnvPreset("guess", max_turns=50, observation_words=600, step_latency_s=1.0, start_latency_s=3.0,
                           task=(("high", 10**12),)),
     "tiny": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.0, task=(("high", 16),)),
+    # `make demo`: a small game (1..4, so an untrained policy scores sometimes and GRPO has signal)
+    # with an agentic environment's latency (heavy-tailed, ~0.4 s a step).
+    "tiny_slow": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.4, latency_sigma=1.0,
+                           task=(("high", 4),)),
 }
 
 

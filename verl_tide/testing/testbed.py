@@ -10,10 +10,14 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from verl_tide.testing import rewards
@@ -37,6 +41,7 @@ class GRPOJob:
     validate: bool = False
     lr: float = 1e-2  # large on purpose: one update moves a tiny model's log-probs visibly
     default_local_dir: str | None = None
+    ppo_mini_batch_size: int | None = None  # None = train_batch_size (one update per step)
 
 
 def grpo_overrides(job: GRPOJob) -> list[str]:
@@ -67,7 +72,7 @@ def grpo_overrides(job: GRPOJob) -> list[str]:
         "+actor_rollout_ref.actor.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
         "actor_rollout_ref.ref.fsdp_config.param_offload=False",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={job.train_batch_size}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={job.ppo_mini_batch_size or job.train_batch_size}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         f"actor_rollout_ref.actor.use_kl_loss={job.use_kl_loss}",
         "actor_rollout_ref.actor.kl_loss_coef=0.01",
@@ -114,6 +119,32 @@ def grpo_overrides(job: GRPOJob) -> list[str]:
     return o
 
 
+def override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def with_overrides(base: list[str], extra: list[str]) -> list[str]:
+    """`base` with every key that `extra` sets replaced by `extra`'s value (Hydra rejects some duplicates)."""
+    keys = {override_key(o) for o in extra}
+    return [o for o in base if override_key(o) not in keys] + list(extra)
+
+
+def tide_overrides(job: GRPOJob, rollout_gpus: int = 1) -> list[str]:
+    """What turns a test-bed GRPO job into trainer `tide`: `+tide=enabled`, rollout on its own fake GPUs
+    (`job.n_gpus` - `rollout_gpus` train), and the one-node weight-sync backend `tide_shm`."""
+    trainer_gpus = job.n_gpus - rollout_gpus
+    if trainer_gpus < 1 or rollout_gpus < 1:
+        raise ValueError(f"GRPOJob.n_gpus = {job.n_gpus}, rollout_gpus = {rollout_gpus}: trainer tide needs at least "
+                         "one fake GPU for training and one for rollout")
+    return [
+        "+tide=enabled",
+        f"trainer.n_gpus_per_node={trainer_gpus}",
+        "actor_rollout_ref.rollout.nnodes=1",
+        f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_gpus}",
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=tide_shm",
+    ]
+
+
 @dataclass
 class RunResult:
     returncode: int
@@ -122,28 +153,69 @@ class RunResult:
 
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
-                 extra_env: dict[str, str] | None = None) -> RunResult:
-    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm."""
+                 extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> RunResult:
+    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm.
+
+    `on_line` sees every output line as it comes (progress display)."""
     env = {**os.environ, **TEST_BED_ENV, **(extra_env or {})}
     env.setdefault("RAY_DEDUP_LOGS", "0")
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
     shm_before = set(glob.glob("/dev/shm/*"))
     log = open(log_path, "w") if log_path else None
-    try:
-        proc = subprocess.run(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout_s)
-        out, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")) + f"\n[timed out after {timeout_s}s]"
-        rc = -9
+    lines: list[str] = []
+    proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+    def kill_job() -> None:  # the driver and every process it started (Ray daemons hold the pipe open)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         stop_stray_ray()
+
+    timer = threading.Timer(timeout_s, kill_job)
+    timer.start()
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line.rstrip("\n"))
+        rc = proc.wait()
+        out = "".join(lines)
+        if not timer.is_alive():
+            out += f"\n[timed out after {timeout_s}s]"
+            rc = -9
     finally:
+        timer.cancel()
+        if proc.poll() is None:
+            kill_job()
         clean_shm(shm_before)
     if log:
         log.write(out)
         log.close()
     return RunResult(rc, out, time.monotonic() - start)
+
+
+def spawn_env_service(*extra_args: str, latency_scale: float = 0.0) -> tuple[Any, str]:
+    """Start `verl-tide env serve` on a free loopback port (environment latency x `latency_scale`, default
+    none); returns (process, base URL)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
+                             "--latency-scale", str(latency_scale), *extra_args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    line = proc.stdout.readline()
+    if f"on http://127.0.0.1:{port}" not in line:
+        proc.kill()
+        raise RuntimeError(f"verl-tide env serve did not start: {line!r}")
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def stop_stray_ray() -> None:
