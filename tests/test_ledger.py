@@ -67,3 +67,24 @@ def test_conservation_submitted_equals_settled_plus_in_flight(groups):
     assert ledger.settled_groups + ledger.in_flight_groups == len(groups)
     assert sum(ledger.tokens.values()) + ledger.ready_tokens == ready_tokens
     assert ledger.ready_groups == sum(1 for g in groups if g[2] is None)
+
+
+def test_a_checkpointed_ledger_resumes_its_counts_and_elapsed_time():
+    clock = Clock()
+    ledger = GoodputLedger(clock)
+    ledger.groups_submitted(3)
+    ledger.group_ready("a", 2, 100)
+    ledger.group_ready("b", 2, 50)
+    ledger.settle("a", Outcome.CONSUMED)
+    clock.t += 10
+    state = ledger.state_dict()
+    import json
+
+    state = json.loads(json.dumps(state))  # it is written as JSON
+    clock.t += 1000  # the restart took a while: not counted
+    resumed = GoodputLedger(clock)
+    resumed.load_state_dict(state)
+    assert resumed.goodput() == pytest.approx(10.0)
+    assert resumed.in_flight_groups == 2 and resumed.ready_groups == 1 and resumed.is_known("b")
+    resumed.settle("b", Outcome.DROPPED_STALE)
+    assert resumed.tokens[Outcome.DROPPED_STALE] == 50 and resumed.tokens[Outcome.CONSUMED] == 100

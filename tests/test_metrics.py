@@ -90,3 +90,28 @@ def test_exporter_reports_an_ers_step():
     assert 'tide_readiness{signal="rollout_wait_s"} 2.5' in body
     assert 'tide_readiness{signal="hol_latency_s"} 9.0' in body
     assert 'tide_readiness{signal="batch_size"} 32.0' in body
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
+    import json
+    import re
+
+    from prometheus_client import generate_latest
+
+    from verl_tide.ledger import GoodputLedger
+
+    dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "verl-tide.grafana.json").read_text())
+    queried = {name for panel in dashboard["panels"] for t in panel["targets"]
+               for name in re.findall(r"\b(tide_[a-z_]+)", t["expr"])}
+    metrics = TideMetrics()
+    ledger = GoodputLedger(clock=lambda: 0.0)
+    ledger.groups_submitted(1)
+    metrics.update_from_ledger(ledger)
+    metrics.update_from_ctb_status({"0": {"usage": 10, "budget": 100}}, {"active": 1}, {"pauses": 1})
+    metrics.update_hit_rates({"0": 0.5})
+    served = set(re.findall(r"^# TYPE (\S+)", generate_latest(metrics.registry).decode(), re.M))
+    served |= {f"{name}_total" for name in served}  # counters are queried with their _total suffix
+    assert queried and queried <= served, queried - served
+    body = generate_latest(metrics.registry).decode()
+    assert 'tide_goodput_ledger{quantity="groups_submitted"} 1.0' in body
+    assert 'tide_ctb_rank_budget_tokens{rank="0"} 100.0' in body

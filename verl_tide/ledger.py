@@ -102,3 +102,19 @@ class GoodputLedger:
             m[f"{prefix}/samples_{o.value}"] = float(self.samples[o])
             m[f"{prefix}/tokens_{o.value}"] = float(self.tokens[o])
         return m
+
+    def state_dict(self, now: Optional[float] = None) -> dict:
+        """What a checkpoint keeps: counters, groups still ready, and elapsed time (clocks do not survive)."""
+        elapsed = 0.0 if self.started_at is None else (self.clock() if now is None else now) - self.started_at
+        return {"submitted": self.submitted, "elapsed_s": elapsed,
+                "ready": {str(k): [g.samples, g.tokens] for k, g in self._ready.items()},
+                **{kind: {o.value: n for o, n in getattr(self, kind).items()} for kind in ("groups", "samples", "tokens")}}
+
+    def load_state_dict(self, state: dict, now: Optional[float] = None) -> None:
+        """Continue counting from a checkpoint; goodput keeps the elapsed time before the restart."""
+        self.submitted = int(state["submitted"])
+        self.started_at = (self.clock() if now is None else now) - float(state["elapsed_s"])
+        self._ready = {k: _Group(int(v[0]), int(v[1])) for k, v in state["ready"].items()}
+        for kind in ("groups", "samples", "tokens"):
+            getattr(self, kind).update({Outcome(o): int(n) for o, n in state[kind].items()})
+

@@ -110,15 +110,23 @@ class TideMetrics:
     def update_from_ctb(self, scheduler: CTBScheduler) -> None:
         from verl_tide.ctb.policy import TaskState
 
-        for rank, state in scheduler.ranks.items():
-            self.rank_tokens.labels(rank=str(rank)).set(state.usage)
-            self.rank_budget.labels(rank=str(rank)).set(state.budget)
-        counts = {s: 0 for s in TaskState}
+        counts = {s.value: 0 for s in TaskState}
         for task in scheduler.tasks.values():
-            counts[task.state] += 1
-        for state, n in counts.items():
-            self.tasks.labels(state=state.value).set(n)
-        for key, value in scheduler.counters.items():  # counters only grow: export the increments
+            counts[task.state.value] += 1
+        ranks = {rank: {"usage": r.usage, "budget": r.budget} for rank, r in scheduler.ranks.items()}
+        self.update_from_ctb_status(ranks, counts, scheduler.counters)
+
+    def update_from_ctb_status(self, ranks: Mapping[str, Mapping[str, float]], task_counts: Mapping[str, int],
+                               counters: Mapping[str, float]) -> None:
+        """CTB state as the router's `get_status()` reports it (the trainer reads it from the router actor)."""
+        for rank, usage in ranks.items():
+            self.rank_tokens.labels(rank=str(rank)).set(usage["usage"])
+            self.rank_budget.labels(rank=str(rank)).set(usage["budget"])
+        for state, n in task_counts.items():
+            self.tasks.labels(state=state).set(n)
+        for key, value in counters.items():  # counters only grow: export the increments
+            if not isinstance(value, (int, float)):
+                continue
             delta = value - self._seen.get(key, 0)
             if delta > 0:
                 metric = self.decisions if key in ("pauses", "resumes", "admissions") else self.outcomes

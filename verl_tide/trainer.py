@@ -21,7 +21,9 @@ not applied); RA2P's decoupled Ref ranks; overlapped evaluation; rank quarantine
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -151,6 +153,43 @@ class TideTrainer(PPOTrainerSeparateAsync):
         logger.warning("verl-tide: Prometheus metrics at http://%s:%d/metrics", cfg.host, server.server_port)
         print(f"verl-tide: Prometheus metrics at http://{cfg.host}:{server.server_port}/metrics", flush=True)
 
+    # ---- checkpoint and resume ------------------------------------------------------------
+    TIDE_STATE = "tide_state.json"
+
+    def _step_folder(self) -> str:
+        trainer = self.config.trainer
+        if trainer.resume_mode == "resume_path" and trainer.resume_from_path:
+            folder = str(trainer.resume_from_path)
+        else:
+            folder = os.path.join(trainer.default_local_dir, f"global_step_{self.global_steps}")
+        return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+    def _save_checkpoint(self):
+        super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
+        state = {"global_steps": self.global_steps, "ledger": self.ledger.state_dict(),
+                 "ers_last_moved": {str(r): [s, role.value] for r, (s, role) in self.ers._last_moved.items()},
+                 "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()}}
+        path = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}", self.TIDE_STATE)
+        with open(path, "w") as f:
+            json.dump(state, f)
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps == 0:
+            return
+        path = os.path.join(self._step_folder(), self.TIDE_STATE)
+        if not os.path.exists(path):
+            logger.warning("verl-tide: %s has no %s (a checkpoint of another trainer?): counting from zero",
+                           self._step_folder(), self.TIDE_STATE)
+            return
+        with open(path) as f:
+            state = json.load(f)
+        self.ledger.load_state_dict(state["ledger"])
+        self.ers._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state["ers_last_moved"].items()}
+        # CTB state is not restored on purpose: engines restart with empty KV caches, and verl re-issues
+        # the in-flight groups, which CTB admits afresh.
+        print(f"verl-tide: resumed from step {state['global_steps']}: {self._ledger_text()}", flush=True)
+
     # ---- the loop's hooks ----------------------------------------------------------------
     def _submit_batch_to_rollout(self, batch) -> int:
         n = super()._submit_batch_to_rollout(batch)
@@ -235,6 +274,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/ra2p/uses_ref": float(self.use_reference_policy),
         })
         m.update(self._ctb_metrics())
+        m.update(self._engine_hit_rates())
         print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} (not applied: elastic ranks are not "
               f"built yet); RA2P: {self._ra2p_text()}; ledger: {self._ledger_text()}", flush=True)
         if self.tide_metrics is not None:
@@ -254,11 +294,35 @@ class TideTrainer(PPOTrainerSeparateAsync):
             logger.warning("verl-tide: could not read CTB status: %s", e)
             return {}
         ctb = status["ctb"]
+        if self.tide_metrics is not None:
+            self.tide_metrics.update_from_ctb_status(ctb["ranks"], ctb["tasks"], ctb)
         m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}
         m.update({f"tide/ctb/tasks_{state}": float(n) for state, n in ctb["tasks"].items()})
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
         return m
+
+    def _engine_hit_rates(self) -> dict[str, float]:
+        """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""
+        from verl_tide.metrics import EngineMetrics, prefix_hit_rate
+
+        backend = str(self.config.actor_rollout_ref.rollout.name)
+        if backend not in ("vllm", "sglang"):
+            return {}
+        rates: dict[str, float] = {}
+        previous = getattr(self, "_engine_scrapes", {})
+        current: dict[str, Any] = {}
+        for rank, address in enumerate(self.standalone_server_manager.server_addresses):
+            try:
+                current[address] = EngineMetrics.scrape(f"http://{address}", backend, timeout_s=5.0)
+            except (OSError, ValueError):
+                continue  # no /metrics (stats logging off): nothing to report
+            if address in previous:
+                rates[str(rank)] = prefix_hit_rate(previous[address], current[address])
+        self._engine_scrapes = current
+        if self.tide_metrics is not None:
+            self.tide_metrics.update_hit_rates(rates)
+        return {f"tide/engine/prefix_hit_rate/{rank}": rate for rank, rate in rates.items()}
 
     def _ra2p_text(self) -> str:
         if not self.use_reference_policy:

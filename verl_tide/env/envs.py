@@ -48,10 +48,10 @@ PRESETS: dict[str, EnvPreset] = {
     "sciboard": EnvPreset("guess", max_turns=50, observation_words=600, step_latency_s=1.0, start_latency_s=3.0,
                           task=(("high", 10**12),)),
     "tiny": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.0, task=(("high", 16),)),
-    # `make demo`: a small game (1..4, so an untrained policy scores sometimes and GRPO has signal)
-    # with an agentic environment's latency (heavy-tailed, ~0.4 s a step).
+    # `make demo`: the tiny game with a format reward (0.1 per numeric answer: a dense signal that a tiny
+    # random policy can learn) and an agentic environment's latency (heavy-tailed, ~0.4 s a step).
     "tiny_slow": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.4, latency_sigma=1.0,
-                           task=(("high", 4),)),
+                           task=(("high", 16), ("format_reward", 0.1))),
 }
 
 
@@ -88,6 +88,8 @@ class GuessEnv(Environment):
         if self.high < self.low:
             raise ValueError(f"task.high = {self.high} must be >= task.low = {self.low}")
         self.target = int(task["target"]) if "target" in task else self.rng.randint(self.low, self.high)
+        # Optional shaping: a small reward for an answer that is a number at all (dense signal for tiny policies).
+        self.format_reward = float(task.get("format_reward", dict(self.preset.task).get("format_reward", 0.0)))
         return (f"Find the hidden number between {self.low} and {self.high}. Answer with one number per turn. "
                 + filler_text(self.rng, self.preset.observation_words))
 
@@ -100,7 +102,7 @@ class GuessEnv(Environment):
             guess = int(numbers[-1])
             if guess == self.target:
                 return f"Correct: {guess}.", 1.0, True, {"turns": self.turns, "found": True}
-            obs, reward, done = f"{guess} is too {'low' if guess < self.target else 'high'}.", 0.0, last
+            obs, reward, done = f"{guess} is too {'low' if guess < self.target else 'high'}.", self.format_reward, last
         info = {"turns": self.turns, "found": False}
         return obs + " " + filler_text(self.rng, self.preset.observation_words), reward, done, info
 

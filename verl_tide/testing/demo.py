@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
     args = ap.parse_args(argv)
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_demo_"))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_demo_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"[demo] building a tiny model and environment tasks in {work}", flush=True)
     model = build_tiny_model(work / "model")
