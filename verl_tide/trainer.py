@@ -15,8 +15,11 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
 - a goodput ledger (consumed / dropped-stale / dropped-filtered / dropped-failed / in flight, in
   groups, samples and tokens) logged through `trainer.logger` and a Prometheus endpoint.
 
+- quarantine of rollout ranks that die or stop answering (checked at each step boundary, and by
+  `tide_env_agent` the moment a turn fails): no new tasks, no weight syncs, tasks re-dispatched.
+
 Not yet (README "Limits"): ranks do not move between roles (the ERS plan is computed and logged,
-not applied); RA2P's decoupled Ref ranks; overlapped evaluation; rank quarantine.
+not applied); RA2P's decoupled Ref ranks; overlapped evaluation.
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
         self._sample_started = 0.0
+        self.quarantined: dict[int, str] = {}  # rollout rank -> why
+        self.health_timeout_s = 30.0
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
@@ -196,7 +201,41 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ledger.groups_submitted(n)
         return n
 
+    # ---- fault tolerance: quarantine of dead rollout ranks ------------------------------
+    def _check_rollout_ranks(self) -> None:
+        """Quarantine rollout ranks whose server died or stops answering: out of routing (their tasks go
+        back to CTB and are re-admitted elsewhere) and out of every later weight sync. Training goes on
+        with the remaining ranks; with none left the job stops with a clear error."""
+        import ray
+
+        dead = []
+        for rank, replica in enumerate(self.standalone_server_manager.get_replicas()):
+            if rank in self.quarantined:
+                continue
+            try:
+                ray.get(replica.server_handle.get_server_address.remote(), timeout=self.health_timeout_s)
+            except Exception as e:  # RayActorError (died), GetTimeoutError (stopped answering), ...
+                dead.append((rank, replica, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        if not dead:
+            return
+        if len(dead) + len(self.quarantined) >= len(self.standalone_server_manager.get_replicas()):
+            raise RuntimeError(f"verl-tide: every rollout rank is dead or unresponsive ({dead[0][2]}); "
+                               "nothing left to generate with")
+        lb = self.standalone_server_manager.global_load_balancer
+        for rank, replica, why in dead:
+            address = replica.server_address
+            if self.tide_config.ctb.enabled:
+                ray.get(lb.quarantine.remote([address], why), timeout=60)
+            else:
+                ray.get(lb.remove_servers.remote([address]), timeout=60)
+            self.standalone_checkpoint_manager.remove_replicas([replica])
+            self.quarantined[rank] = why
+            self.rollout_roles.pop(rank, None)
+            print(f"verl-tide: rollout rank {rank} ({address}) quarantined: {why}; it gets no new tasks and no "
+                  f"weight syncs, its tasks are re-dispatched", flush=True)
+
     def on_step_begin(self):
+        self._check_rollout_ranks()
         self.readiness.step_started()
         self._step_tokens_before = self.ledger.tokens[Outcome.CONSUMED]
         super().on_step_begin()
@@ -210,6 +249,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.trainer_waited(self.clock() - self._sample_started)
 
     def on_step_end(self):
+        self._check_rollout_ranks()  # a dead rank must not stall the weight sync
         sync_start = self.clock()
         super().on_step_end()  # weight sync to every rollout rank (rollout is paused meanwhile)
         self.readiness.rollout_waited(self.clock() - sync_start)
@@ -269,6 +309,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/readiness/twt_s": float(signals.trainer_wait_s),
             "tide/ers/ranks_rollout": float(sum(r is Role.ROLLOUT for r in self.rollout_roles.values())),
             "tide/ers/ranks_ref": float(sum(r is Role.REF for r in self.rollout_roles.values())),
+            "tide/rollout/ranks_quarantined": float(len(self.quarantined)),
             "tide/ers/planned_moves": float(len(plan.moves)),
             "tide/ers/elastic_batch": float(plan.batch_size),
             "tide/ra2p/uses_ref": float(self.use_reference_policy),
@@ -313,6 +354,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         previous = getattr(self, "_engine_scrapes", {})
         current: dict[str, Any] = {}
         for rank, address in enumerate(self.standalone_server_manager.server_addresses):
+            if rank in self.quarantined:
+                continue
             try:
                 current[address] = EngineMetrics.scrape(f"http://{address}", backend, timeout_s=5.0)
             except (OSError, ValueError):

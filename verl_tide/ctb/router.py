@@ -30,6 +30,7 @@ from typing import Any, Optional
 
 from verl_tide.config import parse_tide_config
 from verl_tide.ctb.gate import TaskFailed, TurnGate
+from verl_tide.ctb.ids import group_of
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.metrics import EngineMetrics
 
@@ -63,7 +64,9 @@ class CTBLoadBalancer:
         self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
         self._env_sessions: dict[str, tuple[str, str]] = {}  # request id -> (env service URL, session id)
         self._env_clients: dict[str, Any] = {}
-        self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0})
+        self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0, "quarantined": 0})
+        self.quarantined: dict[str, str] = {}  # server id -> why
+        self._assigned: dict[str, str] = {}  # request id -> the rank of its latest turn
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
         self.metrics_url: Optional[str] = None
@@ -109,7 +112,7 @@ class CTBLoadBalancer:
             if task is None or task.state is TaskState.DONE:
                 if task is not None:  # an idle-finished trajectory came back: admit it as a new task
                     self._incarnation[request_id] = self._incarnation.get(request_id, 0) + 1
-                await self.gate.admit(self._tid(request_id), group_id=request_id, prompt_tokens=context)
+                await self.gate.admit(self._tid(request_id), group_id=group_of(request_id), prompt_tokens=context)
             rank = await self.gate.before_turn(self._tid(request_id), context)
         except TaskFailed as e:
             server = min(self.inflight, key=self.inflight.get)
@@ -118,6 +121,7 @@ class CTBLoadBalancer:
             logger.warning("CTB: %s; routing it to %s without CTB", e, server)
             return self._take(server)
         self._turns[request_id] = self._turns.get(request_id, 0) + 1
+        self._assigned[request_id] = rank
         return self._take(rank)
 
     def release_server(self, server_id: str, request_id: Optional[str] = None) -> None:
@@ -138,6 +142,7 @@ class CTBLoadBalancer:
         """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
         self.bypassed.pop(request_id, None)
         self._env_sessions.pop(request_id, None)
+        self._assigned.pop(request_id, None)
         task = self.gate.scheduler.tasks.get(self._tid(request_id))
         if task is not None and task.state is not TaskState.DONE:
             self.gate.finish(self._tid(request_id), Outcome(outcome))
@@ -163,6 +168,26 @@ class CTBLoadBalancer:
                 self.servers.pop(sid)
                 self.inflight.pop(sid)
         self.bypassed = {r: s for r, s in self.bypassed.items() if s in self.servers}
+
+    def quarantine(self, server_ids: list[str], reason: str = "") -> list[str]:
+        """Take ranks that died or stopped answering out of rotation for good; their tasks are handed
+        back to CTB and re-admitted on the remaining ranks (a fresh prefill there). Returns the ranks
+        newly quarantined. Idempotent."""
+        newly = [sid for sid in server_ids if sid in self.servers]
+        if newly and len(newly) >= len(self.servers):
+            logger.error("CTB: asked to quarantine every rollout rank (%s); keeping them", newly)
+            return []
+        self.remove_servers(newly)
+        for sid in newly:
+            self.quarantined[sid] = reason
+            self.counters["quarantined"] += 1
+            logger.warning("CTB: rollout rank %s quarantined: %s", sid, reason or "reported dead")
+        return newly
+
+    def report_failure(self, request_id: str, reason: str = "") -> list[str]:
+        """An agent loop's generate call found its rank dead: quarantine the rank CTB had assigned."""
+        sid = self._assigned.get(request_id)
+        return self.quarantine([sid], reason) if sid is not None else []
 
     def get_all_servers(self) -> list[str]:
         return list(self.servers)

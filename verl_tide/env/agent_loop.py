@@ -23,24 +23,25 @@ import logging
 import os
 from collections import Counter
 from typing import Any, Optional
-from uuid import uuid4
 
 from omegaconf import OmegaConf
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 from verl_tide.config import TideConfigError, parse_tide_config
+from verl_tide.ctb.ids import trajectory_request_id
 from verl_tide.env.client import EnvClient, EnvError
 
 logger = logging.getLogger(__name__)
 
 AGENT_NAME = "tide_env_agent"
 URL_ENV_VAR = "VERL_TIDE_ENV_URL"
+MAX_DEAD_RANK_RETRIES = 2  # re-sends of one turn after its rollout rank died
 
 
 @register(AGENT_NAME)
 class EnvAgentLoop(AgentLoopBase):
-    outcomes: Counter = Counter()  # per process: completed / failed / end_failed
+    outcomes: Counter = Counter()  # per process: completed / failed / end_failed / rank_died
     _clients: dict[tuple[str, int], EnvClient] = {}
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -73,6 +74,26 @@ class EnvAgentLoop(AgentLoopBase):
             return
         call.remote(*args)
 
+    async def _generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any:
+        """One turn. If the rollout rank died under it, have CTB quarantine that rank and re-send the turn
+        (the whole context: a fresh prefill on a live rank), so a dead rank loses no trajectory."""
+        import ray
+
+        for attempt in range(MAX_DEAD_RANK_RETRIES + 1):
+            try:
+                return await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids,
+                                                          sampling_params=sampling_params)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                balancer = getattr(self.server_manager, "_load_balancer", None)
+                report = getattr(balancer, "report_failure", None)
+                if report is None or attempt == MAX_DEAD_RANK_RETRIES:
+                    raise
+                self.outcomes["rank_died"] += 1
+                logger.warning("tide_env_agent: rollout rank died during a turn of %s; re-sending (%s)",
+                               request_id, type(e).__name__)
+                await report.remote(request_id, f"{type(e).__name__} during generate")
+        raise AssertionError("unreachable")
+
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         spec = (kwargs.get("extra_info") or {}).get("tide_env") or {}
         messages = list(kwargs["raw_prompt"])
@@ -81,7 +102,7 @@ class EnvAgentLoop(AgentLoopBase):
             cap = self.env_config.max_tokens_per_turn
             sampling_params = {**sampling_params, "max_tokens": min(cap, sampling_params.get("max_tokens") or cap)}
         metrics: dict[str, Any] = {}
-        request_id = uuid4().hex
+        request_id = trajectory_request_id(kwargs.get("uid"))  # names the GRPO group for CTB
         session_id: Optional[str] = None
         prompt_ids: list[int] = []
         response_mask: list[int] = []
@@ -96,8 +117,7 @@ class EnvAgentLoop(AgentLoopBase):
             prompt_ids = await self.ct_build_initial_tokens(messages)
             while True:
                 with simple_timer("generate_sequences", metrics):
-                    out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids,
-                                                             sampling_params=sampling_params)
+                    out = await self._generate(request_id, prompt_ids, sampling_params)
                 merge, response_mask, merged_logprobs = await self.ct_merge_assistant_token(
                     prompt_ids, out.token_ids, response_mask, logprobs if (logprobs or out.log_probs) else None,
                     assistant_logprobs=out.log_probs or None)
@@ -146,8 +166,7 @@ class EnvAgentLoop(AgentLoopBase):
             # one-token response, reward 0 and outcome "failed" for the trainer to drop and count.
             if not prompt_ids:
                 prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
-            out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids,
-                                                     sampling_params={**sampling_params, "max_tokens": 1})
+            out = await self._generate(request_id, prompt_ids, {**sampling_params, "max_tokens": 1})
             merge, response_mask, merged_logprobs = await self.ct_merge_assistant_token(
                 prompt_ids, out.token_ids[:1], [], [] if out.log_probs else None,
                 assistant_logprobs=out.log_probs[:1] if out.log_probs else None)

@@ -1,0 +1,32 @@
+"""Which GRPO group a trajectory's request id belongs to.
+
+Why: verl's load-balancer protocol gives the router only a per-trajectory `request_id` (extra
+fields would also be forwarded to the engine's `generate`, which rejects unknown ones). CTB needs
+the group: its members share a prompt (charged once per rank, resumed on the rank holding that
+prefix) and one probe per group measures the first-turn footprint. Agent loops that know the
+group (verl passes the prompt's `uid`) name their request ids `tide-<uid>.<unique>`; any other id
+is a group of one.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+from uuid import uuid4
+
+PREFIX = "tide-"
+SEP = "."
+
+
+def trajectory_request_id(group_id: Optional[str]) -> str:
+    """A fresh request id for one trajectory of `group_id` (a plain unique id when there is none)."""
+    unique = uuid4().hex
+    if not group_id:
+        return unique
+    return f"{PREFIX}{str(group_id).replace(SEP, '_')}{SEP}{unique}"
+
+
+def group_of(request_id: str) -> str:
+    """The GRPO group of a request id made by `trajectory_request_id` (else the id itself)."""
+    if request_id.startswith(PREFIX) and SEP in request_id:
+        return request_id[len(PREFIX):].rsplit(SEP, 1)[0]
+    return request_id
