@@ -38,7 +38,7 @@ def main() -> None:
         if rng.random() < 0.05:
             s.task_finished(task.task_id)
         else:
-            s.turn_started(task.task_id, max(task.context_tokens, 500) + rng.randint(50, 400))
+            s.turn_started(task.task_id, max(task.context_tokens, 500) + rng.randint(500, 3000))
             s.turn_finished(task.task_id)
         t0 = time.perf_counter()
         s.tick()

@@ -171,3 +171,18 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_and_no_task_is_lost(tiny_m
                                                            "dropped_failed"))
     assert settled + last["tide/ledger/groups_in_flight"] == last["tide/ledger/groups_submitted"]
     assert last["tide/ledger/groups_consumed"] == 16
+
+
+def test_ctb_disabled_gives_verls_stock_routing(job, env_service_url, tmp_path_factory):
+    work = tmp_path_factory.mktemp("tide_no_ctb")
+    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
+    overrides = with_overrides(grpo_overrides(two_steps), [
+        *tide_overrides(two_steps), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "tide.ctb.enabled=false"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-5000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == [1, 2]
+    assert not any(k.startswith("tide/ctb/") for k in steps[2])  # no CTB router in the loop
+    assert "CTBLoadBalancer" not in run.output and "GlobalRequestLoadBalancer" in run.output
+    assert steps[2]["tide/ledger/groups_consumed"] == 8  # the rest of trainer tide is unchanged

@@ -24,6 +24,11 @@ def tide_config_from_job(config: DictConfig) -> TideConfig:
                 ["tide = <missing>: trainer.v1.trainer_mode=tide needs the tide: subtree; add `+tide=enabled`"]
             )
         return parse_tide_config({})
+    if isinstance(raw, DictConfig):
+        missing = sorted(OmegaConf.missing_keys(raw))
+        if missing:  # `???` in a recipe: a value the user must give
+            raise TideConfigError([f"tide.{key} = ??? (missing): set it on the command line, e.g. tide.{key}=..."
+                                   for key in missing])
     try:
         container = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw
     except Exception as e:  # an interpolation inside tide: that does not resolve

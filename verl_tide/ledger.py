@@ -75,6 +75,10 @@ class GoodputLedger:
     def ready_groups(self) -> int:
         return len(self._ready)
 
+    def ready(self) -> dict[Hashable, tuple[int, int]]:
+        """Groups in the buffer, not yet settled: {uid: (samples, tokens)}."""
+        return {uid: (g.samples, g.tokens) for uid, g in self._ready.items()}
+
     @property
     def ready_tokens(self) -> int:
         return sum(g.tokens for g in self._ready.values())

@@ -190,6 +190,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         with open(path) as f:
             state = json.load(f)
         self.ledger.load_state_dict(state["ledger"])
+        for uid, (samples, _tokens) in self.ledger.ready().items():  # restored from TransferQueue as ready
+            self.readiness.micro_batch_ready(uid, max(samples, 1))
         self.ers._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state["ers_last_moved"].items()}
         # CTB state is not restored on purpose: engines restart with empty KV caches, and verl re-issues
         # the in-flight groups, which CTB admits afresh.

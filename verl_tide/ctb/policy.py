@@ -14,6 +14,7 @@ and resumes there when that rank has headroom (worker affinity), elsewhere other
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -93,8 +94,19 @@ class CTBScheduler:
         self._admission_allowance: Optional[int] = None
         # Tasks by state (insertion-ordered) so a tick touches only the tasks that can change.
         self._by_state: dict[TaskState, dict[TaskId, Task]] = {s: {} for s in TaskState}
-        self._recheck_queued = True  # queued footprints may exceed every budget: check them next tick
+        # Queued tasks whose footprint may exceed every budget: checked next tick (new tasks, groups whose
+        # probe arrived); all queued tasks are checked again only when the largest budget shrinks.
+        self._recheck: dict[TaskId, Task] = {}
         self._checked_largest = 0
+        # Admission index: queued tasks per GRPO group, and the groups ranked by priority (cached; re-ranked
+        # only when a queued group's priority can have changed: new tasks, probes, completions).
+        self._queued_by_group: dict[Hashable, dict[TaskId, Task]] = {}
+        self._ranked_groups: Optional[list[Hashable]] = None
+        # Resume index: paused tasks in a max-heap by (priority, earlier arrival), with lazy invalidation;
+        # a paused task's priority changes only when its group completes a task (re-pushed then).
+        self._paused_heap: list[tuple[float, int, int, TaskId]] = []
+        self._heap_version: dict[TaskId, int] = {}
+        self._paused_by_group: dict[Hashable, dict[TaskId, Task]] = {}
         self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
         for rank, capacity in rank_kv_capacity.items():
             self.add_rank(rank, capacity)
@@ -109,7 +121,9 @@ class CTBScheduler:
         self.tasks[task_id] = task = Task(task_id, group_id, group_size, task_type, is_eval, prompt_tokens,
                                           seq=len(self.tasks))
         self._by_state[TaskState.QUEUED][task_id] = task
-        self._recheck_queued = True
+        self._queued_by_group.setdefault(group_id, {})[task_id] = task
+        self._recheck[task_id] = task
+        self._ranked_groups = None
         self._group_prompt.setdefault(group_id, prompt_tokens)  # a GRPO group shares its first task's prompt
 
     def turn_started(self, task_id: TaskId, context_tokens: int) -> None:
@@ -122,7 +136,7 @@ class CTBScheduler:
         if task.context_tokens == 0 and task.group_id not in self._group_probe:
             self._group_probe[task.group_id] = context_tokens  # the group's probe footprint
             self._group_probing.discard(task.group_id)
-            self._recheck_queued = True
+            self._group_changed(task.group_id)
         task.context_tokens = context_tokens
         own = max(context_tokens - self._shared_prompt(task), 0)
         self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
@@ -143,6 +157,10 @@ class CTBScheduler:
         task.outcome, task.reason, task.generating = outcome, reason, False
         self._group_done[task.group_id] = self._group_done.get(task.group_id, 0) + 1
         self.counters[outcome.value] += 1
+        if task.group_id in self._queued_by_group:
+            self._ranked_groups = None  # its completion term of P(t) changed
+        for paused in self._paused_by_group.get(task.group_id, {}).values():
+            self._push_paused(paused)
 
     def set_admission_allowance(self, new_tasks: Optional[int]) -> None:
         """Staleness throttle: how many more new tasks may start before the trainer catches up (None = no limit)."""
@@ -164,8 +182,8 @@ class CTBScheduler:
         moved = []
         for task in list(self.ranks[rank].residents.values()):
             self._release(task)
-            self._set_state(task, TaskState.PAUSED)
             task.generating = False
+            self._set_state(task, TaskState.PAUSED)
             moved.append(task.task_id)
         for task in self._by_state[TaskState.PAUSED].values():
             if task.rank == rank:
@@ -202,18 +220,20 @@ class CTBScheduler:
                 victim = min(self._resident_on(rank_id), key=self._order)
                 reason = f"rank over budget ({rank.usage} > {rank.budget}); lowest priority"
                 self._release(victim)
-                self._set_state(victim, TaskState.PAUSED)
                 victim.generating = False
+                self._set_state(victim, TaskState.PAUSED)
                 self.counters["pauses"] += 1
                 out.pauses.append(Decision(victim.task_id, rank_id, reason))
 
     def _fail_oversize(self, out: SchedulerOutput) -> None:
         largest = max((r.budget for r in self.ranks.values()), default=0)
-        candidates = list(self._by_state[TaskState.PAUSED].values())
-        if self._recheck_queued or largest < self._checked_largest:
-            # Queued footprints change only when tasks or group probes arrive, or ranks shrink.
-            candidates += self._by_state[TaskState.QUEUED].values()
-            self._recheck_queued, self._checked_largest = False, largest
+        # Footprints of waiting tasks change only when tasks arrive or pause, or group probes arrive:
+        # those are checked; every waiting task is checked again when the largest budget shrinks.
+        if largest < self._checked_largest:
+            candidates = [*self._by_state[TaskState.PAUSED].values(), *self._by_state[TaskState.QUEUED].values()]
+        else:
+            candidates = [t for t in self._recheck.values() if t.state in (TaskState.QUEUED, TaskState.PAUSED)]
+        self._recheck, self._checked_largest = {}, largest
         for task in candidates:
             if self.ranks and self.footprint(task) > largest:
                 reason = f"context {self.footprint(task)} tokens exceeds the largest rank budget {largest}"
@@ -222,7 +242,12 @@ class CTBScheduler:
 
     def _resume_paused(self, out: SchedulerOutput) -> None:
         """Highest priority first, on its affinity rank if it has headroom, else the best rank that fits."""
-        for task in sorted(self._in_state(TaskState.PAUSED), key=self._order, reverse=True):
+        while self._paused_heap:
+            _, _, version, task_id = self._paused_heap[0]
+            task = self.tasks[task_id]
+            if task.state is not TaskState.PAUSED or self._heap_version.get(task_id) != version:
+                heapq.heappop(self._paused_heap)  # stale entry
+                continue
             need = self.footprint(task)
             affinity = task.rank if task.rank in self.ranks else None
             if affinity is not None and self._headroom(affinity, task) >= need:
@@ -232,43 +257,67 @@ class CTBScheduler:
                 why = "resume elsewhere: affinity rank has no headroom" if affinity is not None else "resume (no affinity)"
             if rank is None:
                 return  # strict order: no lower-priority task resumes ahead of this one
+            heapq.heappop(self._paused_heap)
             self._place(task, rank)
             self.counters["resumes"] += 1
             out.resumes.append(Decision(task.task_id, rank, why))
 
     def _admit_new(self, out: SchedulerOutput) -> None:
         resident = len(self._by_state[TaskState.RESIDENT])
-        if not self._by_state[TaskState.QUEUED] or max(
-                (r.budget - r.usage for r in self.ranks.values()), default=0) <= 0:
+        max_free = max((r.budget - r.usage for r in self.ranks.values()), default=0)
+        if not self._by_state[TaskState.QUEUED] or max_free <= 0:
             return
-        for task in self._admission_order():
-            if self._admission_allowance is not None and self._admission_allowance <= 0:
-                return
-            if self.config.env_concurrency and resident >= self.config.env_concurrency:
-                return
-            if self.config.probe_first_turn and task.group_id in self._group_probing:
-                continue  # wait for the group's probe to report its first-turn footprint
-            rank = self._best_rank(task, self.footprint(task))
-            if rank is None:
+        for group_id in self._admission_order():
+            members = self._queued_by_group.get(group_id)
+            if not members:
                 continue
-            self._place(task, rank)
-            if task.group_id not in self._group_probe:
-                self._group_probing.add(task.group_id)
-            resident += 1
-            if self._admission_allowance is not None:
-                self._admission_allowance -= 1
-            self.counters["admissions"] += 1
-            out.admissions.append(Decision(task.task_id, rank, "admitted"))
+            if self.config.probe_first_turn and group_id in self._group_probing:
+                continue  # wait for the group's probe to report its first-turn footprint
+            first = next(iter(members.values()))
+            if self.footprint(first) - self._shared_prompt(first) > max_free:
+                continue  # no rank can hold any member, even one where the group's prompt is cached
+            for task in list(members.values()):
+                if self._admission_allowance is not None and self._admission_allowance <= 0:
+                    return
+                if self.config.env_concurrency and resident >= self.config.env_concurrency:
+                    return
+                rank = self._best_rank(task, self.footprint(task))
+                if rank is None:
+                    break  # the group's queued members all need the same: none fits
+                self._place(task, rank)
+                resident += 1
+                if self._admission_allowance is not None:
+                    self._admission_allowance -= 1
+                self.counters["admissions"] += 1
+                out.admissions.append(Decision(task.task_id, rank, "admitted"))
+                if task.group_id not in self._group_probe:
+                    self._group_probing.add(task.group_id)
+                    if self.config.probe_first_turn:
+                        break  # the probe runs alone until it reports the group's first-turn footprint
+            max_free = max(r.budget - r.usage for r in self.ranks.values())
+            if max_free <= 0:
+                return
 
-    def _admission_order(self) -> list[Task]:
-        """Queued tasks, highest priority first. The members of one GRPO group share the terms of
-        P(t) that matter before they run (eval, group completion, footprint), so groups are ranked
-        by their first queued member and members follow in arrival order: one priority per group."""
-        groups: dict[Hashable, list[Task]] = {}
-        for task in self._by_state[TaskState.QUEUED].values():
-            groups.setdefault(task.group_id, []).append(task)
-        ranked = sorted(groups.values(), key=lambda members: self._order(members[0]), reverse=True)
-        return [task for members in ranked for task in members]
+    def _admission_order(self) -> list[Hashable]:
+        """GRPO groups with queued tasks, highest priority first. The members of one group share the
+        terms of P(t) that matter before they run (eval, group completion, footprint), so a group is
+        ranked by its first queued member and its members follow in arrival order. The ranking is
+        cached until a queued group's priority can change (new tasks, a probe, a completion)."""
+        if self._ranked_groups is None:
+            live = [g for g, members in self._queued_by_group.items() if members]
+            self._ranked_groups = sorted(
+                live, key=lambda g: self._order(next(iter(self._queued_by_group[g].values()))), reverse=True)
+        return self._ranked_groups
+
+    def _group_changed(self, group_id: Hashable) -> None:
+        """The group's probe footprint arrived: its waiting members' footprints (and priorities) changed."""
+        members = self._queued_by_group.get(group_id)
+        if members:
+            self._recheck.update(members)
+            self._ranked_groups = None
+        for paused in self._paused_by_group.get(group_id, {}).values():
+            self._recheck[paused.task_id] = paused
+            self._push_paused(paused)
 
     # ---- helpers ---------------------------------------------------------------------------
     def _order(self, task: Task) -> tuple:
@@ -326,10 +375,30 @@ class CTBScheduler:
     def _in_state(self, state: TaskState) -> list[Task]:
         return list(self._by_state[state].values())
 
+    def _push_paused(self, task: Task) -> None:
+        version = self._heap_version.get(task.task_id, 0) + 1
+        self._heap_version[task.task_id] = version
+        heapq.heappush(self._paused_heap, (-self.priority(task), task.seq, version, task.task_id))
+
     def _set_state(self, task: Task, state: TaskState) -> None:
         self._by_state[task.state].pop(task.task_id, None)
+        if task.state is TaskState.PAUSED:
+            group = self._paused_by_group[task.group_id]
+            group.pop(task.task_id, None)
+            if not group:
+                del self._paused_by_group[task.group_id]
+            self._heap_version.pop(task.task_id, None)
+        if task.state is TaskState.QUEUED:
+            members = self._queued_by_group[task.group_id]
+            members.pop(task.task_id, None)
+            if not members:
+                del self._queued_by_group[task.group_id]
         task.state = state
         self._by_state[state][task.task_id] = task
+        if state is TaskState.PAUSED:
+            self._paused_by_group.setdefault(task.group_id, {})[task.task_id] = task
+            self._recheck[task.task_id] = task  # its footprint may exceed every budget
+            self._push_paused(task)
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)
