@@ -1,6 +1,6 @@
 """CTB scheduling-tick latency: 10,000 tasks over 64 ranks (target: <= 1 ms per tick).
 
-Fills the ranks, then replays turns whose contexts grow until ranks go over budget, so ticks
+Fills the ranks, then replays turns whose contexts grow by 500-3000 tokens until ranks go over budget, so ticks
 include pauses, resumes and admissions. Prints a table; `--json PATH` writes the numbers.
 """
 
