@@ -62,10 +62,13 @@ def test_tide_enabled_selects_trainer_and_adds_subtree_only(tmp_path, stock_job_
     stock = _job(stock_job_output)
     stock["trainer"]["v1"]["trainer_mode"] = "tide"
     # The only other verl keys it sets: the one-node weight-sync backend becomes importable (used only if
-    # selected), and vLLM stats logging goes on (CTB reads KV capacity and hit rates from /metrics).
+    # selected), vLLM stats logging goes on (CTB reads KV capacity and hit rates from /metrics), and the
+    # default agent loop is verl's single-turn loop wrapped to tell CTB when a trajectory ends.
     rollout = stock["actor_rollout_ref"]["rollout"]
     rollout["checkpoint_engine"]["custom_backend_module"] = "verl_tide.weight_sync"
     rollout["disable_log_stats"] = False
+    assert rollout["agent"]["default_agent_loop"] == "single_turn_agent"
+    rollout["agent"]["default_agent_loop"] = "tide_single_turn_agent"  # the same loop, its end told to CTB
     assert job == stock  # nothing else of verl's config changed
 
 

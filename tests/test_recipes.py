@@ -48,8 +48,9 @@ def test_recipe_composes_and_passes_the_start_up_checks(name, tmp_path):
     for node in ("actor_rollout_ref.rollout", "actor_rollout_ref.actor", "actor_rollout_ref.rollout.multi_turn"):
         omega_conf_to_dataclass(OmegaConf.select(cfg, node))  # verl's own schema: unknown keys raise here
     agent = job["actor_rollout_ref"]["rollout"]["agent"]["default_agent_loop"]
-    expected = {"tide_grpo_tool_agent": "tool_agent", "tide_grpo_env_service": "tide_env_agent"}
-    assert agent == expected.get(name, agent)
+    expected = {"tide_grpo_tool_agent": "tide_tool_agent", "tide_grpo_env_service": "tide_env_agent",
+                "tide_grpo_text": "tide_single_turn_agent", "tide_grpo_vlm": "tide_single_turn_agent"}
+    assert agent == expected[name]
 
 
 def test_run_sh_without_a_recipe_lists_them(tmp_path):

@@ -104,13 +104,12 @@ def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factor
     assert "step:1" not in run.output  # no silent fallback to another trainer's loop
 
 
-def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, env_service_url, tmp_path_factory):
+def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_resume")
     ckpt = work / "ckpt"
     one_step = GRPOJob(**{**job.__dict__, "steps": 1, "default_local_dir": str(ckpt)})
-    overrides = with_overrides(grpo_overrides(one_step), [
-        *tide_overrides(one_step), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "trainer.save_freq=1"])
+    # +tide=enabled's default agent loop (verl's single-turn loop, its trajectories' ends told to CTB).
+    overrides = with_overrides(grpo_overrides(one_step), [*tide_overrides(one_step), "trainer.save_freq=1"])
     first = run_main_ppo(overrides, cwd=work, log_path=work / "first.log", timeout_s=900)
     assert first.returncode == 0, first.output[-5000:]
     assert (ckpt / "global_step_1" / "tide_state.json").exists()
@@ -124,6 +123,9 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, env_service
     assert "verl-tide: resumed from step 1" in second.output
     m = steps[2]
     assert m["tide/ledger/groups_consumed"] == 8  # 4 before the restart + 4 now: the ledger continued
+    # tide_single_turn_agent told CTB each trajectory's end: budgets freed at once, no idle timeouts.
+    assert m["tide/ctb/consumed"] >= 8 and m["tide/ctb/idle_finished"] == 0
+    assert "verl-tide WARNING" not in second.output
     # In-flight groups of the first run were re-issued, not counted again as new submissions.
     assert m["tide/ledger/groups_submitted"] == submitted + 4
     settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",

@@ -3,7 +3,8 @@
 - Trainer `tide` is registered in verl's TRAINER_REGISTRY as soon as verl imports the
   module that holds the registry (`trainer_base`), so processes that never build a
   trainer (vLLM engines, reward workers) do not pay for importing the trainer stack.
-  Likewise the agent loop `tide_env_agent`, when verl imports its agent-loop registry.
+  Likewise the agent loops `tide_env_agent`, `tide_single_turn_agent` and `tide_tool_agent`, when verl
+  imports its agent-loop registry.
 - Only when the CPU test bed is selected (`VERL_PLATFORM=cpu`): the test bed's CPU platform
   (now, before verl resolves its platform) and its vLLM-CPU rollout (when verl imports the
   rollout replica registry).
@@ -63,6 +64,11 @@ def _register_env_agent_loop(_: ModuleType) -> None:
         import verl_tide.env.agent_loop  # noqa: F401  (@register("tide_env_agent") runs on import)
 
     _loudly("registering agent loop 'tide_env_agent'", go, reraise=False)
+
+    def stock_variants() -> None:
+        import verl_tide.ctb.agent_loops  # noqa: F401  (tide_single_turn_agent, tide_tool_agent)
+
+    _loudly("registering agent loops 'tide_single_turn_agent' and 'tide_tool_agent'", stock_variants, reraise=False)
 
 
 def _register_cpu_rollout(_: ModuleType) -> None:

@@ -143,8 +143,18 @@ class TideTrainer(PPOTrainerSeparateAsync):
             replicas=self.standalone_server_manager.get_replicas(),
         )
         self.current_mode = HybridEngineMode.TRAINER
+        self._warn_about_stock_agent_loops()
         self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(self.standalone_server_manager.get_replicas()))}
         self._start_metrics_server()
+
+    def _warn_about_stock_agent_loops(self) -> None:
+        from verl_tide.ctb.agent_loops import STOCK_TO_TIDE
+
+        loop = self.config.actor_rollout_ref.rollout.agent.get("default_agent_loop")
+        if self.tide_config.ctb.enabled and loop in STOCK_TO_TIDE:
+            print(f"verl-tide WARNING: actor_rollout_ref.rollout.agent.default_agent_loop = {loop}: verl's loop never "
+                  f"tells CTB that a trajectory ended, so CTB charges it until its idle timeout (300 s) and "
+                  f"admissions can stall; use {STOCK_TO_TIDE[loop]} (the same loop, its end told to CTB)", flush=True)
 
     def _start_metrics_server(self) -> None:
         cfg = self.tide_config.metrics
