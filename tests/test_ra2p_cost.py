@@ -18,7 +18,8 @@ T = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=3.0)
 
 def test_all_ready_at_start():
     ready = [0.0, -1.0, 0.0]
-    # fill: 0*1 + 1*1 = 1; three micro-batches at max(0, 1+2) = 3 each.
+    # fill: 0*1 + 1*1 = 1; then the Actor runs the three back to back, 1 + 2 each (the ref log-probs,
+    # 1 s each on the Ref rank, are always there before the backward needs them).
     assert decoupled_cost(ready, T, actor_ranks=2) == 10.0
     # one aggregate of 3: swap 3 + 3 refs, swap 3 + 3 x (1+2).
     assert colocated_cost(ready, T, max_aggregate=8) == 18.0
@@ -32,13 +33,14 @@ def test_aggregation_is_capped_by_memory():
 
 def test_sparse_arrivals_with_many_actor_ranks_favor_colocated():
     ready = [10.0, 20.0, 30.0]
-    # fill with M=8: 1+2+...+7 = 28; gaps 10 each exceed the 3 s of actor compute.
-    assert decoupled_cost(ready, T, actor_ranks=8) == 58.0
+    # fill with M=8: 1+2+...+7 = 28; each micro-batch is done 3 s after it arrives (the Actor is idle
+    # when it comes): the last at 33.
+    assert decoupled_cost(ready, T, actor_ranks=8) == 61.0
     # each arrival is processed alone before the next: arrival + 3 + 1 + 3 + 3.
     assert colocated_cost(ready, T, max_aggregate=8) == 40.0
     choice = choose_mode(ready, T, actor_ranks=8, max_aggregate=8)
     assert choice.mode is RA2PMode.COLOCATED
-    assert (choice.decoupled_s, choice.colocated_s) == (58.0, 40.0)
+    assert (choice.decoupled_s, choice.colocated_s) == (61.0, 40.0)
 
 
 def test_hysteresis_keeps_the_previous_mode_for_small_gains():
@@ -51,11 +53,22 @@ def test_hysteresis_keeps_the_previous_mode_for_small_gains():
     assert choose_mode(ready, t, 4, 8, previous=RA2PMode.DECOUPLED, hysteresis=0.05).mode is RA2PMode.COLOCATED
 
 
+def test_a_burst_finished_before_the_next_one_is_not_counted_twice():
+    t = StageTimes(t_ref=0.5, t_act_f=1.0, t_act_b=1.0, t_swap=0.0)
+    # Two bursts of 2: the Actor finishes the first at 4, idles to 10, finishes the second at 14.
+    # (Appendix A's sum of max(gap, compute) would say 2 + 2 + 10 + 2 = 16.)
+    assert decoupled_cost([0.0, 0.0, 10.0, 10.0], t, actor_ranks=1) == 14.0
+    # A Ref slower than the Actor's forward delays the backward: ref ready at 3 for the first.
+    slow_ref = StageTimes(t_ref=3.0, t_act_f=1.0, t_act_b=1.0, t_swap=0.0)
+    assert decoupled_cost([0.0], slow_ref, actor_ranks=1) == 4.0
+
+
 def test_break_even_ras():
     t = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=1.0, t_swap=1.0)
-    # M=4 (fill 6), 8 micro-batches, the rest arriving every 10 s: colocated wins until all 8 are
-    # ready at the start (C_dec 22 < C_col 26); with 7 ready, C_dec 30 > C_col 28.
-    assert decoupled_break_even_ras(8, 10.0, t, actor_ranks=4, max_aggregate=8) == 8
+    # M=4 (fill 6), 8 micro-batches, the rest arriving every 10 s. With 6 ready the Actor is busy
+    # until 12 > 10, so the two late ones finish at 14 and 22: C_dec = 28 = C_col (2 + 18, then both
+    # late ones in one aggregate: +1+2+1+4). With 5 ready: C_dec 6 + 32 = 38 > C_col 35.
+    assert decoupled_break_even_ras(8, 10.0, t, actor_ranks=4, max_aggregate=8) == 6
     assert decoupled_break_even_ras(8, 10.0, t, actor_ranks=8, max_aggregate=8) is None
     # With two actor ranks the fill costs 1 s and decoupled wins from the start.
     assert decoupled_break_even_ras(8, 10.0, t, actor_ranks=2, max_aggregate=8) == 0
@@ -95,3 +108,16 @@ def test_stage_timer_learns_per_token_rates_online():
         timer.observe("critic", 1, 1.0)
     with pytest.raises(ValueError, match="need tokens > 0"):
         timer.observe("ref", 0, 1.0)
+
+
+def test_baselines_global_batch_and_streaming_with_a_swap_per_micro_batch():
+    from verl_tide.ra2p.cost import StageTimes, global_batch_cost, streaming_swap_cost
+
+    t = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
+    # Global batch: wait for the last (at 10), 2 swaps, 3 x (1 + 1 + 2).
+    assert global_batch_cost([0.0, 4.0, 10.0], t) == 10.0 + 1.0 + 12.0
+    # Streaming: each micro-batch costs 2 swaps + 4 s once it is there: 0 -> 5, then max(5, 4) -> 10,
+    # then max(10, 10) -> 15.
+    assert streaming_swap_cost([0.0, 4.0, 10.0], t) == 15.0
+    # A late arrival idles the trainer: max(0 + 5, 20) + 5.
+    assert streaming_swap_cost([0.0, 20.0], t) == 25.0

@@ -42,12 +42,23 @@ class StageTimes:
 
 
 def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks: int) -> float:
-    """C_dec = sum_{i<M} i*t_ref (pipeline fill) + sum_i max(delta_i, t_act_f + t_act_b)."""
+    """C_dec: the pipeline-fill bubble sum_{i<M} i*t_ref, plus the Actor pipeline run event by event.
+
+    Appendix A writes the second term as sum_i max(delta_i, t_act_f + t_act_b) with delta_i the gap
+    between consecutive arrivals. That double-counts when the Actor finishes a burst before the next
+    arrival (the wait is from its last completion, not from the last arrival) and drops the last
+    micro-batch's compute when arrivals are slow; measured per-step times (benchmarks/ra2p_step.py)
+    followed the event form: each micro-batch starts at max(Actor free, its arrival); its forward
+    needs no ref log-probs (deferred KL), its backward waits for them from the Ref rank, which
+    serves micro-batches in arrival order."""
     if actor_ranks < 1:
         raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
     fill = sum(i * times.t_ref for i in range(actor_ranks))
-    compute = times.t_act_f + times.t_act_b
-    return fill + sum(max(gap, compute) for gap in ready_gaps(ready_times))
+    actor_free = ref_free = 0.0
+    for a in sorted(max(t, 0.0) for t in ready_times):
+        ref_free = max(ref_free, a) + times.t_ref
+        actor_free = max(max(actor_free, a) + times.t_act_f, ref_free) + times.t_act_b
+    return fill + actor_free
 
 
 def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int) -> float:
@@ -64,6 +75,21 @@ def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregat
         clock += times.t_swap + k * times.t_ref
         clock += times.t_swap + k * (times.t_act_f + times.t_act_b)
         j += k
+    return clock
+
+
+def global_batch_cost(ready_times: Sequence[float], times: StageTimes) -> float:
+    """verl's default: wait for the whole batch, swap in Ref for every micro-batch, swap in Actor for all."""
+    m = len(ready_times)
+    return max(max(ready_times, default=0.0), 0.0) + 2 * times.t_swap + m * (
+        times.t_ref + times.t_act_f + times.t_act_b)
+
+
+def streaming_swap_cost(ready_times: Sequence[float], times: StageTimes) -> float:
+    """Streaming with Ref and Actor sharing a device: two swaps per micro-batch, as each arrives."""
+    clock = 0.0
+    for a in sorted(ready_times):
+        clock = max(clock, a) + 2 * times.t_swap + times.t_ref + times.t_act_f + times.t_act_b
     return clock
 
 
