@@ -113,7 +113,11 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     first = run_main_ppo(overrides, cwd=work, log_path=work / "first.log", timeout_s=900)
     assert first.returncode == 0, first.output[-5000:]
     assert (ckpt / "global_step_1" / "tide_state.json").exists()
-    submitted = parse_step_metrics(first.output)[1]["tide/ledger/groups_submitted"]
+    first_step = parse_step_metrics(first.output)[1]
+    submitted = first_step["tide/ledger/groups_submitted"]
+    # tide_single_turn_agent told CTB each trajectory's end: budgets freed at once, no idle timeouts.
+    assert first_step["tide/ctb/consumed"] >= 8 and first_step["tide/ctb/idle_finished"] == 0
+    assert "verl-tide WARNING" not in first.output
 
     second = run_main_ppo(with_overrides(overrides, ["trainer.total_training_steps=2"]), cwd=work,
                           log_path=work / "second.log", timeout_s=900)
@@ -123,9 +127,7 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     assert "verl-tide: resumed from step 1" in second.output
     m = steps[2]
     assert m["tide/ledger/groups_consumed"] == 8  # 4 before the restart + 4 now: the ledger continued
-    # tide_single_turn_agent told CTB each trajectory's end: budgets freed at once, no idle timeouts.
-    assert m["tide/ctb/consumed"] >= 8 and m["tide/ctb/idle_finished"] == 0
-    assert "verl-tide WARNING" not in second.output
+    # (This step trained on groups restored from the checkpoint; the re-issued ones were still running.)
     # In-flight groups of the first run were re-issued, not counted again as new submissions.
     assert m["tide/ledger/groups_submitted"] == submitted + 4
     settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
