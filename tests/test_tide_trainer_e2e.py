@@ -190,3 +190,21 @@ def test_ctb_disabled_gives_verls_stock_routing(job, env_service_url, tmp_path_f
     assert not any(k.startswith("tide/ctb/") for k in steps[2])  # no CTB router in the loop
     assert "CTBLoadBalancer" not in run.output and "GlobalRequestLoadBalancer" in run.output
     assert steps[2]["tide/ledger/groups_consumed"] == 8  # the rest of trainer tide is unchanged
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_counted(job, tmp_path_factory):
+    """tide.max_staleness=0: a group generated for an earlier step is never trained on. The prefetched
+    batch (num_warmup_batches=1) goes stale after each update, is dropped, counted and refilled."""
+    work = tmp_path_factory.mktemp("tide_stale")
+    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
+    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.max_staleness=0"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-5000:]
+    m = parse_step_metrics(run.output)[2]
+    assert m["tide/ledger/groups_dropped_stale"] > 0 and m["tide/ledger/tokens_dropped_stale"] > 0
+    assert m["tide/ledger/groups_consumed"] == 8
+    settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                        "dropped_failed"))
+    assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]
+    # verl's replay buffer reported the same evictions (its off-policy metrics) in a step.
+    assert any(s.get("training/off_policy/evicted_samples", 0.0) > 0 for s in parse_step_metrics(run.output).values())
