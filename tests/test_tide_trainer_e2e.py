@@ -208,3 +208,16 @@ def test_groups_older_than_max_staleness_are_dropped_and_counted(job, tmp_path_f
     assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]
     # verl's replay buffer reported the same evictions (its off-policy metrics) in a step.
     assert any(s.get("training/off_policy/evicted_samples", 0.0) > 0 for s in parse_step_metrics(run.output).values())
+
+
+def test_the_wait_strategy_drops_nothing_and_the_wait_is_trainer_wait_time(job, tmp_path_factory):
+    work = tmp_path_factory.mktemp("tide_wait")
+    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
+    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.max_staleness=0",
+                                                           "tide.staleness_strategy=wait"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-5000:]
+    steps = parse_step_metrics(run.output)
+    m = steps[2]
+    assert m["tide/ledger/groups_dropped_stale"] == 0 and m["tide/ledger/groups_consumed"] == 8
+    assert all(s["tide/readiness/twt_s"] > 0 for s in steps.values())  # the trainer waited for ready groups

@@ -171,6 +171,10 @@ class TideConfig:
     max_staleness: int = field(
         default=1, metadata=_check(lambda x: x >= 0, ">= 0", "policy versions a trajectory may lag the trainer")
     )
+    staleness_strategy: Literal["drop", "wait"] = field(
+        default="drop", metadata=_help("drop: a group over max_staleness is dropped and counted; wait: the "
+                                       "trainer waits for in-flight groups about to exceed it (nothing dropped)")
+    )
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)

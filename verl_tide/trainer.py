@@ -114,7 +114,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
             # verl drops a group when (step - its step + 1) > threshold: a lag of max_staleness versions.
             max_off_policy_threshold=self.tide_config.max_staleness + 1,
-            max_off_policy_strategy="drop", sampler_kwargs=sampler.sampler_kwargs,
+            max_off_policy_strategy=self.tide_config.staleness_strategy, sampler_kwargs=sampler.sampler_kwargs,
             refill_fn=self._add_prompts_to_generate,
             filter_groups_metric=self._resolve_filter_groups_metric(),
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
