@@ -1,0 +1,52 @@
+"""The GPU comparison scripts (benchmarks/verl_vs_tide/): the three commands, and the table from logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent / "benchmarks" / "verl_vs_tide"
+
+
+def test_dry_run_prints_three_comparable_jobs():
+    env = {**os.environ, "GPUS": "8", "ROLLOUT_GPUS": "2", "STEPS": "5"}
+    out = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "data.train_batch_size=64"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = {line.split("]")[0].lstrip("["): line for line in out.stdout.splitlines()}
+    assert set(lines) == {"verl_sync", "verl_separate_async", "tide"}
+    assert "trainer.n_gpus_per_node=8" in lines["verl_sync"] and "trainer_mode=sync" in lines["verl_sync"]
+    for name in ("verl_separate_async", "tide"):
+        assert "trainer.n_gpus_per_node=6" in lines[name]
+        assert "actor_rollout_ref.rollout.n_gpus_per_node=2" in lines[name]
+        assert "checkpoint_engine.backend=nccl" in lines[name]
+    assert "+tide=enabled" in lines["tide"]
+    for line in lines.values():  # the same user overrides and steps everywhere
+        assert "data.train_batch_size=64" in line and "trainer.total_training_steps=5" in line
+
+
+def _log(path: Path, steps: list[tuple[float, float]]) -> None:
+    path.write_text("\n".join(f"(TaskRunnerV1 pid=1) step:{i + 1} - perf/total_num_tokens:{tok} - "
+                              f"timing_s/step:{sec} - timing_s/gen:{sec / 2}" for i, (tok, sec) in enumerate(steps)))
+
+
+def test_collect_prints_goodput_per_system_and_the_ratio(tmp_path):
+    _log(tmp_path / "verl_sync.log", [(1000, 10.0), (1000, 10.0)])
+    _log(tmp_path / "tide.log", [(1000, 4.0), (1000, 4.0)])
+    out = subprocess.run([sys.executable, str(HERE / "collect.py"), str(tmp_path / "verl_sync.log"),
+                          str(tmp_path / "tide.log"), "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "2.50x" in out.stdout  # 250 tok/s vs 100 tok/s
+    systems = json.loads((tmp_path / "r.json").read_text())["systems"]
+    assert systems["verl_sync"]["goodput_tok_s"] == 100.0 and systems["tide"]["gen_wait_s"] == 2.0
+
+
+def test_collect_refuses_a_log_without_step_lines(tmp_path):
+    (tmp_path / "tide.log").write_text("Traceback ...")
+    out = subprocess.run([sys.executable, str(HERE / "collect.py"), str(tmp_path / "tide.log")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "trainer.logger=[console]" in out.stderr
