@@ -17,7 +17,7 @@ from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-from verl_tide.ctb.ids import trajectory_request_id
+from verl_tide.ctb.ids import router_method, trajectory_request_id
 
 STOCK_TO_TIDE = {"single_turn_agent": "tide_single_turn_agent", "tool_agent": "tide_tool_agent"}
 
@@ -55,7 +55,7 @@ class CTBTrajectoryMixin:
             return out
         finally:
             self.server_manager = inner
-            finish = getattr(getattr(inner, "_load_balancer", None), "finish", None)
+            finish = router_method(inner, "finish")
             if finish is not None:  # CTB's router; verl's stock balancers have no `finish`
                 for rid in client.request_ids.values():
                     finish.remote(rid, outcome)

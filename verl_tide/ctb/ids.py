@@ -1,4 +1,5 @@
-"""Which GRPO group a trajectory's request id belongs to.
+"""What an agent loop tells CTB: which GRPO group a trajectory's request id belongs to, and how to reach
+the CTB router's own methods through verl's LLM client.
 
 Why: verl's load-balancer protocol gives the router only a per-trajectory `request_id` (extra
 fields would also be forwarded to the engine's `generate`, which rejects unknown ones). CTB needs
@@ -10,7 +11,7 @@ is a group of one.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 from uuid import uuid4
 
 PREFIX = "tide-"
@@ -30,3 +31,9 @@ def group_of(request_id: str) -> str:
     if request_id.startswith(PREFIX) and SEP in request_id:
         return request_id[len(PREFIX):].rsplit(SEP, 1)[0]
     return request_id
+
+
+def router_method(llm_client: Any, name: str) -> Any:
+    """The CTB router's method `name` (a Ray actor method) behind verl's LLM client, or None when the job
+    routes with verl's stock balancer (which has no such method)."""
+    return getattr(getattr(llm_client, "_load_balancer", None), name, None)

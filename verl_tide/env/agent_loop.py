@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 from verl_tide.config import TideConfigError, parse_tide_config
-from verl_tide.ctb.ids import trajectory_request_id
+from verl_tide.ctb.ids import router_method, trajectory_request_id
 from verl_tide.env.client import EnvClient, EnvError
 
 logger = logging.getLogger(__name__)
@@ -67,12 +67,9 @@ class EnvAgentLoop(AgentLoopBase):
     def _tell_router(self, method: str, *args: Any) -> None:
         """Best effort: when verl routes through verl-tide's CTB router, tell it about this trajectory
         (its environment session; that it ended, so its budget is freed now). Stock routers lack these."""
-        balancer = getattr(self.server_manager, "_load_balancer", None)
-        try:
-            call = getattr(balancer, method)
-        except AttributeError:
-            return
-        call.remote(*args)
+        call = router_method(self.server_manager, method)
+        if call is not None:
+            call.remote(*args)
 
     async def _generate(self, request_id: str, prompt_ids: list[int], sampling_params: dict[str, Any]) -> Any:
         """One turn. If the rollout rank died under it, have CTB quarantine that rank and re-send the turn
@@ -84,8 +81,7 @@ class EnvAgentLoop(AgentLoopBase):
                 return await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids,
                                                           sampling_params=sampling_params)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-                balancer = getattr(self.server_manager, "_load_balancer", None)
-                report = getattr(balancer, "report_failure", None)
+                report = router_method(self.server_manager, "report_failure")
                 if report is None or attempt == MAX_DEAD_RANK_RETRIES:
                     raise
                 self.outcomes["rank_died"] += 1
