@@ -1,4 +1,4 @@
-"""`verl-tide` command line: `verl-tide env serve ...`, `verl-tide env check URL`."""
+"""`verl-tide` command line: `verl-tide env serve ...`, `verl-tide env check URL`, `verl-tide bench ...`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     paths = sub.add_parser("paths", help="print the path of a file shipped with verl-tide")
     paths.add_argument("what", choices=["router"], help="router: the CTB router YAML for rollout.router_config_path")
 
+    bench = sub.add_parser("bench", help="simulate stock verl baselines and TideRL on a modeled GPU cluster")
+    bench.add_argument("--workload", default="webshop",
+                       help="a preset (webshop | alfworld | osworld | sciboard) or a workload YAML file")
+    bench.add_argument("--gpus", type=int, default=32, help="GPUs in the simulated cluster (>= 4)")
+    bench.add_argument("--steps", type=int, default=None, help="training steps (default: the workload's)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", default=None, metavar="PATH", help="write goodput and waits as a PNG")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
     args = parser.parse_args(argv)
+    if args.group == "bench":
+        from verl_tide.sim.bench import main as run_bench
+        from verl_tide.sim.workload import WorkloadError
+
+        if args.gpus < 4:
+            parser.error(f"--gpus {args.gpus}: must be >= 4 (rollout, actor and Ref ranks each need GPUs)")
+        if args.steps is not None and args.steps < 1:
+            parser.error(f"--steps {args.steps}: must be >= 1")
+        try:
+            return run_bench(args.workload, args.gpus, args.json, args.plot, args.seed, args.steps, args.quiet)
+        except WorkloadError as e:
+            parser.error(str(e))
     if args.group == "paths":
         from importlib.resources import files
 

