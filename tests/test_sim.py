@@ -111,6 +111,7 @@ def _trajectory_conservation(sim: Simulation) -> None:
     SystemSpec("verl_sync", sync=True),
     SystemSpec("verl_async_fixed", rollout_ratio=0.5),
     SystemSpec("streamrl_fixed", rollout_ratio=0.5, consume="stream_swap"),
+    SystemSpec("verl_async_hybrid", rollout_ratio=0.5, hybrid=True),
     TIDE,
 ], ids=lambda s: s.name)
 def test_every_system_trains_every_step_and_loses_nothing(spec):
@@ -122,6 +123,8 @@ def test_every_system_trains_every_step_and_loses_nothing(spec):
     assert r.goodput_tok_s > 0 and 0 <= r.kv_hit_rate <= 1
     _trajectory_conservation(sim)
     assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
+    if spec.hybrid:  # the trainer's GPUs rolled out while it waited
+        assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim._retired)
 
 
 def test_same_seed_same_result_other_seed_differs():

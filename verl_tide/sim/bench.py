@@ -2,6 +2,8 @@
 
 Systems (names as in the JSON): `verl_sync`; `verl_async_fixed` (verl separate_async / AReaL-like,
 the best rollout ratio of the sweep, each ratio also reported as `verl_async_fixed_r0.XX`);
+`verl_async_hybrid` (the same at its best ratio, plus verl's hybrid replicas: trainer GPUs roll out
+while the trainer waits for a batch, at a switch cost each way);
 `streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
 `tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); and the oracle
 bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
@@ -61,17 +63,23 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
               progress: Optional[Callable[[str], None]] = None) -> dict:
     def sim(spec: SystemSpec) -> Result:
         t0 = time.monotonic()
-        r = Simulation(w, gpus, spec, hw, seed=seed).run()
+        s = Simulation(w, gpus, spec, hw, seed=seed)
+        r = s.run()
+        if spec.elastic:
+            plan_ms.extend(s.ers_plan_ms)
         if progress:
             progress(f"  {spec.name:<28} goodput {r.goodput_tok_s:>9.0f} tok/s  ({time.monotonic() - t0:.1f}s)")
         return r
 
+    plan_ms: list[float] = []
     results: dict[str, Result] = {"verl_sync": sim(SystemSpec("verl_sync", sync=True, micro_batch_per_gpu=8))}
     sweep: dict[str, Result] = {}
     for ratio in ratios:
         sweep[f"verl_async_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"verl_async_fixed_r{ratio:.3g}", rollout_ratio=ratio))
     best_async = max(sweep.values(), key=lambda r: r.goodput_tok_s)
     results["verl_async_fixed"] = replace(best_async, system="verl_async_fixed")
+    results["verl_async_hybrid"] = sim(SystemSpec("verl_async_hybrid", rollout_ratio=best_async.rollout_ratio,
+                                                  hybrid=True))
     stream: dict[str, Result] = {}
     for ratio in ratios:
         stream[f"streamrl_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"streamrl_fixed_r{ratio:.3g}", rollout_ratio=ratio,
@@ -89,6 +97,7 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         "oracle_goodput_tok_s": round(oracle, 1),
         "tide_steps": results["tide"].steps,
         "tide_ledger": results["tide"].ledger,
+        "tide_ers_plan_ms_max": round(max(plan_ms, default=0.0), 4),
     }
 
 
@@ -104,8 +113,12 @@ def format_table(report: dict) -> str:
     oracle = report["oracle_goodput_tok_s"]
     tide = report["systems"]["tide"]["goodput_tok_s"]
     lines.append(f"{'oracle bound':<20}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x")
-    lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: "
-                 f"{tide / report['systems']['verl_async_fixed']['goodput_tok_s']:.2f}x")
+    fixed = report["systems"]["verl_async_fixed"]
+    tide_row = report["systems"]["tide"]
+    waits_fixed, waits_tide = fixed["rwt_s"] + fixed["twt_s"], tide_row["rwt_s"] + tide_row["twt_s"]
+    lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
+                 f"RWT+TWT vs best fixed: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
+                 f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
     return "\n".join(lines)
 
 
@@ -128,7 +141,7 @@ def plot(report: dict, path: str) -> None:
         w1 = span * row["goodput_tok_s"] / top
         d.rectangle([left, y, left + w1, y + bar_h], fill=(40, 110, 200))
         d.text((left + w1 + 4, y + 2), f"{row['goodput_tok_s']:.0f} tok/s", fill="black")
-        wr, wt = span * row["rwt_s"] / waits, span * row["twt_s"] / waits
+        wr, wt = 0.7 * span * row["rwt_s"] / waits, 0.7 * span * row["twt_s"] / waits  # room for the label
         d.rectangle([left, y + 22, left + wr, y + 22 + bar_h], fill=(230, 140, 40))
         d.rectangle([left + wr, y + 22, left + wr + wt, y + 22 + bar_h], fill=(200, 60, 60))
         d.text((left + wr + wt + 4, y + 24), f"RWT {row['rwt_s']:.0f}s + TWT {row['twt_s']:.0f}s", fill="black")
@@ -149,7 +162,8 @@ def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional
     t0 = time.monotonic()
     say = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if say:
-        say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, tide")
+        say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, "
+            "hybrid, tide")
     report = run_bench(w, gpus, seed=seed, progress=say)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     print(format_table(report))

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -183,6 +184,8 @@ class Simulation:
         self.ers = ERSPolicy(tide_ers, ideal_batch=self.B) if spec.elastic else None
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
+        self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
+        self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
         self._ra2p_mode = RA2PMode.COLOCATED
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
@@ -325,9 +328,10 @@ class Simulation:
     def _remove_rank(self, rank: int) -> None:
         rr = self.ranks.pop(rank)
         self._retired.append(rr)
+        decoded = {id(req): req.action - (target - rr.progress) for target, _, req in rr.decoding}
         for req in rr.abort_all():
             tr = self.trajs[req.task]
-            self.ledger["regenerated_tokens"] += max(0, int(req.action - max(0.0, self._left(rr, req))))
+            self.ledger["regenerated_tokens"] += max(0, int(decoded.get(id(req), 0)))  # generated, lost, redone
             tr.in_engine = None
             tr.pending = True
         if self.ctb is not None:
@@ -340,15 +344,9 @@ class Simulation:
                 if self.ctb is None and tr.pending:
                     self._turn_due(tr)
 
-    @staticmethod
-    def _left(rr: RolloutRank, req: Request) -> float:
-        for target, _, r in rr.decoding:
-            if r is req:
-                return target - rr.progress
-        return req.action
-
-    def _add_rank(self, rank: int, ready_at: float) -> None:
-        rr = RolloutRank(rank, self.costs.kv_capacity_tokens, self.costs, paused_until=ready_at)
+    def _add_rank(self, rank: int, ready_at: float, colocated: bool = False) -> None:
+        cap = self.costs.kv_capacity_colocated if colocated else self.costs.kv_capacity_tokens
+        rr = RolloutRank(rank, cap, self.costs, paused_until=ready_at)
         self.ranks[rank] = rr
         if self.ctb is not None:
             self.ctb.add_rank(rank, rr.kv_capacity)
@@ -385,16 +383,22 @@ class Simulation:
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
             return
-        if self.spec.eval_blocks_trainer and any(g.done + g.failed < g.size for g in self.eval_pending):
-            return
         if self.step_open is None:
             need = self.M if self.spec.consume == "global" else 1
-            if len(self.micro_batches) < need:
+            eval_blocked = self.spec.eval_blocks_trainer and any(
+                g.done + g.failed < g.size for g in self.eval_pending)
+            if eval_blocked or len(self.micro_batches) < need:
+                if self.spec.hybrid and not self._hybrid_on:
+                    self._hybrid(wake=True)
                 return
+            start = self.t
+            if self._hybrid_on:
+                self._hybrid(wake=False)
+                start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
             mode = self._choose_ra2p_mode() if self.spec.consume == "ra2p" else None
             self._ra2p_mode = mode or self._ra2p_mode
-            self.step_open = {"start": self.t, "mbs": [], "ras": len(self.micro_batches), "mode": mode}
-            self.tracker.step_started(t=self.t)
+            self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode}
+            self.tracker.step_started(t=start)
         step = self.step_open
         while self.micro_batches and len(step["mbs"]) < self.M:
             mb = self.micro_batches.popleft()
@@ -402,6 +406,20 @@ class Simulation:
             step["mbs"].append(mb)
         if len(step["mbs"]) == self.M:
             self._finish_step(step)
+
+    def _hybrid(self, wake: bool) -> None:
+        """verl separate_async's hybrid replicas: the trainer's GPUs roll out while it waits for data; when the
+        batch is ready their requests are aborted and re-routed (fresh prefill elsewhere)."""
+        hybrid_ranks = range(self.gpus - self.actor_ranks, self.gpus)
+        if wake:
+            for r in hybrid_ranks:
+                self._add_rank(r, self.t + self.costs.switch_s, colocated=True)
+            self._hybrid_since = self.t + self.costs.switch_s
+        else:
+            for r in hybrid_ranks:
+                self._remove_rank(r)
+            self._hybrid_served_s += max(0.0, self.t - self._hybrid_since)
+        self._hybrid_on = wake
 
     def _finish_step(self, step: dict) -> None:
         start, mbs = step["start"], step["mbs"]
@@ -421,7 +439,9 @@ class Simulation:
         end = start + cost
         busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else len(mbs) * times.t_ref)
         wait_from = self.trainer_free_at
-        actor_wait = max(0.0, end - wait_from - busy_actor - self._swaps(mode, len(mbs)) * times.t_swap)
+        actor_wait = max(0.0, end - wait_from - busy_actor - self._swaps(mode, len(mbs)) * times.t_swap
+                         - self._hybrid_served_s)
+        self._hybrid_served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
         self.tracker.trainer_waited(actor_wait)
         if self.ref_ranks:  # Ref ranks idle unless decoupled mode feeds them
@@ -466,7 +486,9 @@ class Simulation:
             break_even = decoupled_break_even_ras(self.M, tprm, times, 1, self.spec.max_aggregate)
         signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
         phase = Phase.EVAL if eval_next else Phase.TRAIN
+        t0 = time.perf_counter()
         plan = self.ers.plan(self.consumed_steps, signals, roles, phase)
+        self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
         rec_moves = self.step_records[-1].moves
         for move in plan.moves:
             rec_moves.append((move.rank, move.dst.value))
