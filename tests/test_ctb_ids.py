@@ -18,3 +18,14 @@ def test_ids_from_other_agent_loops_are_groups_of_one():
 def test_a_group_id_containing_the_separator_still_round_trips_to_one_group():
     a, b = trajectory_request_id("x.y"), trajectory_request_id("x.y")
     assert group_of(a) == group_of(b) and group_of(a) != group_of(trajectory_request_id("x"))
+
+
+def test_evaluation_trajectories_are_marked_and_keep_their_group():
+    from verl_tide.ctb.ids import EVAL_FIELD, is_eval_prompt, is_eval_request
+
+    ev, tr = trajectory_request_id("g1", is_eval=True), trajectory_request_id("g1")
+    assert is_eval_request(ev) and not is_eval_request(tr)
+    assert group_of(ev) == "g1" == group_of(tr)
+    assert is_eval_request(trajectory_request_id(None, is_eval=True))  # no group: still evaluation
+    assert not is_eval_request("tide-eval-without-separator")
+    assert is_eval_prompt({EVAL_FIELD: True, "uid": "u"}) and not is_eval_prompt({"uid": "u"})

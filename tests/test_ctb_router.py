@@ -44,6 +44,28 @@ async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary()
     assert lb.get_status()["ctb"]["admissions"] == 3
 
 
+async def test_evaluation_trajectories_are_admitted_before_waiting_training_ones():
+    from verl_tide.ctb.ids import trajectory_request_id
+
+    lb = _lb()
+    for rid in ("a", "b"):  # fill both ranks
+        sid, _ = await lb.acquire_server(rid, prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+        lb.release_server(sid, request_id=rid)
+    train_id, eval_id = trajectory_request_id("g-train"), trajectory_request_id("g-val", is_eval=True)
+    train = asyncio.create_task(lb.acquire_server(train_id, prompt_ids=[1] * 600, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.02)
+    ev = asyncio.create_task(lb.acquire_server(eval_id, prompt_ids=[1] * 600, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.02)
+    assert not train.done() and not ev.done()
+    lb.finish("a")  # room for one: the evaluation task goes first although it arrived later
+    await asyncio.wait_for(ev, 5)
+    await asyncio.sleep(0.05)
+    assert not train.done()
+    assert lb.get_status()["ctb"]["eval_tasks"] == 1
+    lb.finish("b")
+    await asyncio.wait_for(train, 5)
+
+
 async def test_idle_trajectories_are_finished_and_readmitted_if_they_return():
     lb = _lb()
     sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 500)

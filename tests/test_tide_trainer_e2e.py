@@ -35,7 +35,7 @@ def tide_run(job, env_service_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_grpo")
     overrides = with_overrides(grpo_overrides(job), [
         *tide_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8"])
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1"])
     return run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
 
 
@@ -91,6 +91,21 @@ def test_every_turn_went_through_ctb_and_signals_are_reported(tide_run):
         assert steps[n]["tide/ers/ranks_rollout"] == 1
     assert "Prometheus metrics at http://127.0.0.1:" in tide_run.output
     assert len(re.findall(r"verl-tide step \d+: ERS plan: ", tide_run.output)) == STEPS
+
+
+def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide_run):
+    """trainer.test_freq=1: step i's evaluation starts after step i's sync, runs while step i+1 trains, and is
+    collected before step i+1's sync (its metrics come with step i+1); the last step's is verl's blocking one.
+    Its trajectories went through CTB as evaluation tasks."""
+    steps = parse_step_metrics(tide_run.output)
+    for n in range(2, STEPS + 1):
+        assert steps[n]["tide/eval/model_step"] == n - 1, steps[n]
+        assert steps[n]["tide/eval/overlapped_s"] > 0
+        assert any(k.startswith("val-core/") for k in steps[n]), steps[n]
+    assert "tide/eval/model_step" not in steps[1]
+    for n in (1, 2):
+        assert f"verl-tide step {n}: evaluation runs during step {n + 1}'s rollout" in tide_run.output
+    assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):

@@ -175,6 +175,10 @@ class TideConfig:
         default="drop", metadata=_help("drop: a group over max_staleness is dropped and counted; wait: the "
                                        "trainer waits for in-flight groups about to exceed it (nothing dropped)")
     )
+    overlap_eval: bool = field(
+        default=True, metadata=_help("run step i's evaluation during step i+1's rollout on step-i weights "
+                                     "(false: verl's blocking validation between steps)")
+    )
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)

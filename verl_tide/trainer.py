@@ -16,10 +16,12 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
   groups, samples and tokens) logged through `trainer.logger` and a Prometheus endpoint.
 
 - quarantine of rollout ranks that die or stop answering (checked at each step boundary, and by
-  `tide_env_agent` the moment a turn fails): no new tasks, no weight syncs, tasks re-dispatched.
+  `tide_env_agent` the moment a turn fails): no new tasks, no weight syncs, tasks re-dispatched;
+- evaluation overlapped with the next step's rollout (`tide.overlap_eval`, `evaluation.py`), its
+  prompts at CTB's top priority.
 
 Not yet (README "Limits"): ranks do not move between roles (the ERS plan is computed and logged,
-not applied); RA2P's decoupled Ref ranks; overlapped evaluation.
+not applied); RA2P's decoupled Ref ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from omegaconf import OmegaConf
 from verl.checkpoint_engine import CheckpointEngineManager
 from verl.trainer.config import HybridRolloutSwitchConfig
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import PPOTrainer, register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
 from verl.utils.config import omega_conf_to_dataclass
@@ -42,6 +45,7 @@ from verl.workers.rollout.utils import update_prometheus_config
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.config import TideConfigError
 from verl_tide.ers.policy import ERSPolicy, Role
+from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
 from verl_tide.ra2p.cost import StageTimer, choose_mode, decoupled_break_even_ras
@@ -105,6 +109,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._sample_started = 0.0
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
+        self._training = False
+        self.overlapped_eval: Optional[OverlappedEvaluation] = None
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
@@ -120,6 +126,42 @@ class TideTrainer(PPOTrainerSeparateAsync):
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
             train_batch_size=int(self.config.data.train_batch_size),
         )
+
+    def _init_dataloader(self):
+        super()._init_dataloader()
+        if getattr(self, "val_dataloader", None) is not None:
+            self.val_dataloader = EvalMarkedLoader(self.val_dataloader)  # CTB ranks evaluation prompts first
+
+    def _validation_buffer(self) -> ReplayBufferAsync:
+        """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
+        sampler = self.config.trainer.v1.sampler
+        return ReplayBufferAsync(
+            trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
+            max_off_policy_threshold=None, max_off_policy_strategy="wait", sampler_kwargs=sampler.sampler_kwargs)
+
+    def _validate(self):
+        """Before training and after the last step: verl's blocking validation. In between (trainer.test_freq),
+        with tide.overlap_eval: started now on this step's weights, collected before the next weight sync."""
+        last = self.global_steps >= self.total_training_steps
+        if self.overlapped_eval is None or not self._training or last:
+            return super()._validate()
+        self.overlapped_eval.start(self, self.global_steps)
+        print(f"verl-tide step {self.global_steps}: evaluation runs during step {self.global_steps + 1}'s rollout "
+              f"(step-{self.global_steps} weights); its metrics come with step {self.global_steps + 1}", flush=True)
+        return {}
+
+    def on_train_begin(self):
+        super().on_train_begin()
+        self._training = True
+        if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
+            return
+        if self.reward_loop_manager.reward_loop_worker_handles is None:
+            print("verl-tide: evaluation is not overlapped: rewards are computed on the trainer's GPUs "
+                  "(reward.num_workers = 0), which verl's validation puts to sleep; set reward workers to overlap",
+                  flush=True)
+            return
+        self.overlapped_eval = OverlappedEvaluation(
+            validate=lambda view: PPOTrainer._validate(view), make_buffer=self._validation_buffer, clock=self.clock)
 
     def _ctb_balancer_cls(self) -> Optional[type]:
         if not self.tide_config.ctb.enabled:
@@ -262,14 +304,19 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def on_step_end(self):
         self._check_rollout_ranks()  # a dead rank must not stall the weight sync
+        # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
+        eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
         sync_start = self.clock()
         super().on_step_end()  # weight sync to every rollout rank (rollout is paused meanwhile)
         self.readiness.rollout_waited(self.clock() - sync_start)
         self.readiness.step_finished()
         self._pending_sync_metrics.update(self._tide_step_metrics())
+        self._pending_sync_metrics.update(eval_metrics)
 
     def on_train_end(self):
         super().on_train_end()
+        if self.overlapped_eval is not None:
+            self.overlapped_eval.close()
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
 

@@ -17,7 +17,7 @@ from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-from verl_tide.ctb.ids import router_method, trajectory_request_id
+from verl_tide.ctb.ids import is_eval_prompt, router_method, trajectory_request_id
 
 STOCK_TO_TIDE = {"single_turn_agent": "tide_single_turn_agent", "tool_agent": "tide_tool_agent"}
 
@@ -25,14 +25,14 @@ STOCK_TO_TIDE = {"single_turn_agent": "tide_single_turn_agent", "tool_agent": "t
 class _TrajectoryClient:
     """The loop's LLM client for one trajectory: group-naming request ids, remembered for `finish`."""
 
-    def __init__(self, inner: Any, group_id: Optional[str]):
-        self._inner, self._group_id = inner, group_id
+    def __init__(self, inner: Any, group_id: Optional[str], is_eval: bool = False):
+        self._inner, self._group_id, self._is_eval = inner, group_id, is_eval
         self.request_ids: dict[str, str] = {}
 
     async def generate(self, request_id: str, **kwargs: Any) -> Any:
         rid = self.request_ids.get(request_id)
         if rid is None:
-            rid = self.request_ids[request_id] = trajectory_request_id(self._group_id)
+            rid = self.request_ids[request_id] = trajectory_request_id(self._group_id, self._is_eval)
         return await self._inner.generate(request_id=rid, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -46,7 +46,7 @@ class CTBTrajectoryMixin:
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
         inner = self.server_manager
-        client = _TrajectoryClient(inner, kwargs.get("uid"))
+        client = _TrajectoryClient(inner, kwargs.get("uid"), is_eval_prompt(kwargs))
         self.server_manager = client
         outcome = "dropped_failed"
         try:

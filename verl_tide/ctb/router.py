@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from verl_tide.config import parse_tide_config
 from verl_tide.ctb.gate import TaskFailed, TurnGate
-from verl_tide.ctb.ids import group_of
+from verl_tide.ctb.ids import group_of, is_eval_request
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.metrics import EngineMetrics
 
@@ -112,7 +112,8 @@ class CTBLoadBalancer:
             if task is None or task.state is TaskState.DONE:
                 if task is not None:  # an idle-finished trajectory came back: admit it as a new task
                     self._incarnation[request_id] = self._incarnation.get(request_id, 0) + 1
-                await self.gate.admit(self._tid(request_id), group_id=group_of(request_id), prompt_tokens=context)
+                await self.gate.admit(self._tid(request_id), group_id=group_of(request_id), prompt_tokens=context,
+                                      is_eval=is_eval_request(request_id))
             rank = await self.gate.before_turn(self._tid(request_id), context)
         except TaskFailed as e:
             server = min(self.inflight, key=self.inflight.get)
@@ -212,7 +213,8 @@ class CTBLoadBalancer:
             "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
             "active_servers": len(self.servers),
             "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
-                    "tasks": states, **s.counters, **self.counters},
+                    "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
+                    **s.counters, **self.counters},
         }
 
     def get_metrics_url(self) -> Optional[str]:

@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 from verl_tide.config import TideConfigError, parse_tide_config
-from verl_tide.ctb.ids import router_method, trajectory_request_id
+from verl_tide.ctb.ids import is_eval_prompt, router_method, trajectory_request_id
 from verl_tide.env.client import EnvClient, EnvError
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class EnvAgentLoop(AgentLoopBase):
             cap = self.env_config.max_tokens_per_turn
             sampling_params = {**sampling_params, "max_tokens": min(cap, sampling_params.get("max_tokens") or cap)}
         metrics: dict[str, Any] = {}
-        request_id = trajectory_request_id(kwargs.get("uid"))  # names the GRPO group for CTB
+        request_id = trajectory_request_id(kwargs.get("uid"), is_eval_prompt(kwargs))  # group (and eval) for CTB
         session_id: Optional[str] = None
         prompt_ids: list[int] = []
         response_mask: list[int] = []
