@@ -227,8 +227,9 @@ class Simulation:
     # ---- routing ---------------------------------------------------------------------------
     def _start(self, tr: Traj) -> None:
         if self.ctb is not None:
-            g = tr.group
-            self.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
+            # As in production: the agent loop starts its environment, then asks the router for its first
+            # turn; CTB sees the task (and may hold it) only from then on.
+            self._after(tr.start_latency, "ctb_add", tr)
             return
         tr.rank = min(self.ranks, key=lambda r: (self.assigned[r], r))
         self.assigned[tr.rank] += 1
@@ -257,7 +258,7 @@ class Simulation:
         for d in out.admissions:
             tr = self.trajs[d.task_id]
             tr.rank = d.rank
-            self._after(tr.start_latency, "turn", tr)
+            self._turn_due(tr)
         for d in out.resumes:
             tr = self.trajs[d.task_id]
             if tr.rank != d.rank:
@@ -577,6 +578,9 @@ class Simulation:
                 _, _, kind, tr = heapq.heappop(self.env)
                 if kind == "turn":
                     self._turn_due(tr)
+                elif kind == "ctb_add":
+                    g = tr.group
+                    self.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
                 else:
                     self._observation(tr)
             if self.ctb is not None:
