@@ -138,3 +138,21 @@ def test_bad_arguments():
         ERSPolicy(config=ERSConfig(), ideal_batch=0)
     with pytest.raises(ValueError, match="confirm_steps"):
         ERSPolicy(config=ERSConfig(), ideal_batch=1, confirm_steps=0)
+
+
+def test_no_rank_leaves_rollout_if_the_rest_could_not_feed_the_trainer():
+    """A backlog says the trainer was behind, not that rollout can spare a rank (found in the simulator:
+    ERS drained the backlog into Ref ranks, then starved the trainer)."""
+    def cons(rate):  # trainer consumes ideal_batch 16 per 10 s step = 1.6 seq/s
+        return dataclasses.replace(signals(cons=True), rollout_capacity_rate=rate)
+
+    p = policy(cooldown_steps=0)
+    p.plan(1, cons(2.0), roles(4, 0))
+    starve = p.plan(2, cons(2.0), roles(4, 0))  # 3 of 4 ranks make 1.5 seq/s < 1.6
+    assert starve.moves == () and "would make 1.50 seq/s, below the 1.60 seq/s" in starve.reason
+    p.plan(3, cons(4.0), roles(4, 0))
+    far = p.plan(4, cons(4.0), roles(4, 0), ref_ranks_needed=3)  # can spare 2 (4 -> 2 ranks make 2.0 seq/s)
+    assert far.moves == () and "decoupled mode needs 3 Ref ranks, rollout can spare 2" in far.reason
+    p.plan(5, cons(4.0), roles(4, 0), ref_ranks_needed=2)
+    ok = p.plan(6, cons(4.0), roles(4, 0), ref_ranks_needed=2)
+    assert [(m.rank, m.dst) for m in ok.moves] == [(3, Role.REF)]

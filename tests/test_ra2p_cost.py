@@ -121,3 +121,22 @@ def test_baselines_global_batch_and_streaming_with_a_swap_per_micro_batch():
     assert streaming_swap_cost([0.0, 4.0, 10.0], t) == 15.0
     # A late arrival idles the trainer: max(0 + 5, 20) + 5.
     assert streaming_swap_cost([0.0, 20.0], t) == 25.0
+
+
+def test_ref_ranks_for_decoupled_by_hand():
+    """8 micro-batches ready at start; Actor f+b = 3 s, Ref forward 8 s on one rank (k ranks: 8/k s),
+    colocated Ref 1 s + swaps 2 x 1 s per load. Colocated, aggregating 8: 1 + 8 + 1 + 24 = 34 s.
+    Decoupled with k Ref ranks: the Actor's backward waits for Ref: k=1 -> 8*8 + 2 = 66 s; k=2 -> 4*8 + 2 = 34 s
+    (not faster); k=3 -> Actor-bound after the first: 8/3 + 2 + 7*3 = 25.67 s, faster: 3 Ref ranks."""
+    from verl_tide.ra2p.cost import ref_ranks_for_decoupled
+
+    col = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=1.0)
+    ready = [0.0] * 8
+    k = ref_ranks_for_decoupled(ready, lambda k: StageTimes(8.0 / k, 1.0, 2.0, 1.0), col, max_aggregate=8,
+                                max_ref_ranks=4)
+    assert colocated_cost(ready, col, 8) == 34.0
+    assert decoupled_cost(ready, StageTimes(4.0, 1.0, 2.0, 1.0), 1) == 34.0
+    assert decoupled_cost(ready, StageTimes(8.0, 1.0, 2.0, 1.0), 1) == 66.0
+    assert decoupled_cost(ready, StageTimes(8.0 / 3, 1.0, 2.0, 1.0), 1) == pytest.approx(8 / 3 + 2 + 21)
+    assert k == 3
+    assert ref_ranks_for_decoupled(ready, lambda k: StageTimes(80.0 / k, 1.0, 2.0, 1.0), col, 8, 4) is None

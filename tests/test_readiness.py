@@ -66,10 +66,39 @@ def test_tracker_step_signals():
     assert s.time_per_ready_microbatch == pytest.approx(2.5)  # gaps 2 (4-2) and 3 (7-4)
     assert s.mean_step_time == 8.0
     assert s.hol_latency == 9.0 and s.ready_volume == 4
-    assert s.generation_deficit  # 4 ready < B_ideal 16
-    assert s.consumption_deficit  # HoL 9 s > tau x 8 s
+    assert s.generation_deficit  # 4 ready < B_ideal 16, and the trainer waited 4.5 s of its 8 s step
+    assert not s.consumption_deficit  # HoL 9 s > tau x 8 s, but a trainer that waits is not behind
     assert (s.trainer_wait_s, s.rollout_wait_s) == (4.5, 0.0)
     assert not tr.signals(ideal_batch=4, tau=2.0, t=20.0).consumption_deficit
+
+
+def _one_step(rwt: float, twt: float, ready_at_start: int = 1):
+    clock, tr = _tracker()
+    for i in range(ready_at_start):
+        tr.micro_batch_ready(i, 4, t=0.0)
+    tr.step_started(t=1.0)
+    for i in range(ready_at_start):
+        tr.micro_batch_consumed(i, t=1.0)
+    tr.rollout_waited(rwt)
+    tr.trainer_waited(twt)
+    tr.step_finished(t=11.0)  # a 10 s step
+    tr.micro_batch_ready("late", 4, t=12.0)
+    return tr
+
+
+def test_waits_decide_which_side_is_the_bottleneck():
+    # Neither side waited: an old ready micro-batch means the trainer is behind.
+    s = _one_step(rwt=0.5, twt=0.5).signals(ideal_batch=64, tau=1.0, t=30.0)
+    assert s.consumption_deficit and s.generation_deficit  # HoL 18 s > 10 s; 4 ready < 64: hold
+    # Rollout sat out 3 s of a 10 s step held by the trainer: consumption deficit, not generation.
+    s = _one_step(rwt=3.0, twt=0.0).signals(ideal_batch=64, tau=1.0, t=13.0)
+    assert s.consumption_deficit and not s.generation_deficit
+    # The trainer waited 3 s for data: generation deficit, even with RAS beyond the break-even.
+    s = _one_step(rwt=0.0, twt=3.0, ready_at_start=5).signals(ideal_batch=1, tau=1.0, ras_break_even=0, t=13.0)
+    assert s.generation_deficit and not s.consumption_deficit
+    # Both waited (e.g. an evaluation took the rollout): both deficits, ERS holds.
+    s = _one_step(rwt=3.0, twt=3.0).signals(ideal_batch=64, tau=1.0, t=13.0)
+    assert s.generation_deficit and s.consumption_deficit
 
 
 def test_ras_beyond_break_even_is_a_consumption_deficit():

@@ -5,10 +5,11 @@ Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Se
 - ready-at-start (RAS, N0): micro-batches already ready when a training step begins;
 - time per ready micro-batch (TPRM): the post-start gaps between later ready times;
 - head-of-line (HoL) latency: how long the oldest ready, unconsumed micro-batch has waited;
-- generation deficit: ready volume below B_ideal while rollout did not wait for the trainer
-  (rollout is the bottleneck, TWT grows);
-- consumption deficit: HoL latency above tau x mean step time, RAS beyond the decoupled
-  break-even point, or rollout held back by the trainer (the trainer is the bottleneck, RWT grows);
+- generation deficit: the trainer waited for data, or ready volume below B_ideal while rollout
+  did not wait for the trainer (rollout is the bottleneck, TWT grows);
+- consumption deficit: rollout held back by the trainer, or (unless the trainer waited) HoL
+  latency above tau x mean step time or RAS beyond the decoupled break-even point (the trainer is
+  the bottleneck, RWT grows);
 - RWT / TWT: rollout and trainer wait time, accounted per step.
 """
 
@@ -60,6 +61,9 @@ class ReadinessSignals:
     consumption_deficit: bool
     rollout_wait_s: float  # RWT of the last step
     trainer_wait_s: float  # TWT of the last step
+    # Sequences the rollout made ready per second of its working time (the last step cycle, minus RWT):
+    # what ERS checks before taking a rank from rollout. None before the first full cycle.
+    rollout_capacity_rate: Optional[float] = None
 
 
 @dataclass
@@ -91,6 +95,9 @@ class ReadinessTracker:
     _twt: float = 0.0
     _last_rwt: float = 0.0
     _last_twt: float = 0.0
+    _cycle_start: Optional[float] = None  # end of the previous step (or the first arrival)
+    _cycle_sequences: int = 0  # sequences made ready since then
+    _last_capacity_rate: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -105,7 +112,11 @@ class ReadinessTracker:
             raise ValueError(f"micro-batch {mb_id!r} is already in the buffer")
         if sequences <= 0:
             raise ValueError(f"micro-batch {mb_id!r}: sequences = {sequences}, must be > 0")
-        self._ready[mb_id] = _Ready(self._now(t), sequences)
+        now = self._now(t)
+        self._ready[mb_id] = _Ready(now, sequences)
+        if self._cycle_start is None:
+            self._cycle_start = now
+        self._cycle_sequences += sequences
 
     def step_started(self, t: Optional[float] = None) -> None:
         self._step_start = self._now(t)
@@ -136,7 +147,13 @@ class ReadinessTracker:
     def step_finished(self, t: Optional[float] = None) -> None:
         if self._step_start is None:
             raise RuntimeError("step_finished before step_started")
-        duration = self._now(t) - self._step_start
+        now = self._now(t)
+        duration = now - self._step_start
+        if self._cycle_start is not None:
+            working = (now - self._cycle_start) - self._rwt
+            if working > 0:
+                self._last_capacity_rate = self._cycle_sequences / working
+        self._cycle_start, self._cycle_sequences = now, 0
         self.last_ready_times = sorted(self._step_ready_times)
         self._last_ras = ready_at_start(self._step_ready_times)
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
@@ -151,17 +168,22 @@ class ReadinessTracker:
                 t: Optional[float] = None, wait_tolerance: float = 0.1) -> ReadinessSignals:
         """Signals after the last finished step. `ras_break_even` comes from RA2P's cost model.
 
-        Rollout that waited for the trainer (RWT above `wait_tolerance` x mean step time: held by the
-        staleness bound beyond the unavoidable weight sync) had capacity to spare: a small ready volume
-        then reflects the staleness bound, not a generation deficit, and the wait itself is the
-        consumption deficit (found in the simulator: with max_staleness=1 the ready volume rarely
-        reaches B_ideal, so volume alone flagged both deficits on every step and ERS never moved)."""
+        Waits decide first, both found in the simulator. Rollout that waited for the trainer (RWT above
+        `wait_tolerance` x mean step time: held by the staleness bound beyond the unavoidable weight sync)
+        had capacity to spare: a small ready volume then reflects the staleness bound, not a generation
+        deficit, and the wait itself is the consumption deficit (with max_staleness=1 the ready volume
+        rarely reaches B_ideal, so volume alone flagged both deficits on every step and ERS never moved).
+        A trainer that waited for data (TWT above the same share) has a generation deficit whatever the
+        RAS says (when arrivals are sparse the decoupled break-even is 0, so any RAS looked like a
+        backlog: ERS held while rollout starved the trainer)."""
         now = self._now(t)
         hol = max((now - r.at for r in self._ready.values()), default=0.0)
         volume = sum(r.sequences for r in self._ready.values())
         hol_too_old = self._mean_step_time is not None and hol > tau * self._mean_step_time
         backlog = ras_break_even is not None and self._last_ras > ras_break_even
-        rollout_held = self._mean_step_time is not None and self._last_rwt > wait_tolerance * self._mean_step_time
+        tolerance = None if self._mean_step_time is None else wait_tolerance * self._mean_step_time
+        rollout_held = tolerance is not None and self._last_rwt > tolerance
+        trainer_starved = tolerance is not None and self._last_twt > tolerance
         return ReadinessSignals(
             ready_at_start=self._last_ras,
             time_per_ready_microbatch=self._last_tprm,
@@ -169,10 +191,11 @@ class ReadinessTracker:
             hol_latency=hol,
             ready_volume=volume,
             mean_step_time=self._mean_step_time,
-            generation_deficit=volume < ideal_batch and not rollout_held,
-            consumption_deficit=hol_too_old or backlog or rollout_held,
+            generation_deficit=trainer_starved or (volume < ideal_batch and not rollout_held),
+            consumption_deficit=rollout_held or ((hol_too_old or backlog) and not trainer_starved),
             rollout_wait_s=self._last_rwt,
             trainer_wait_s=self._last_twt,
+            rollout_capacity_rate=self._last_capacity_rate,
         )
 
 

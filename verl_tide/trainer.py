@@ -26,6 +26,7 @@ not applied); RA2P's decoupled Ref ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ from verl_tide.ers.policy import ERSPolicy, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.ra2p.cost import StageTimer, choose_mode, decoupled_break_even_ras
+from verl_tide.ra2p.cost import StageTimer, choose_mode, decoupled_break_even_ras, ref_ranks_for_decoupled
 from verl_tide.readiness import ReadinessTracker
 
 if TYPE_CHECKING:
@@ -341,7 +342,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._observe_stage_times(step_tokens)
         m: dict[str, Any] = self.ledger.snapshot()
         m["tide/ledger/step_tokens_consumed"] = float(step_tokens)
-        break_even = None
+        break_even = ref_needed = None
         ready_times = self.readiness.last_ready_times
         n_actor = max(1, self.actor_rollout_wg.world_size)
         if self.use_reference_policy and self.stage_timer.ready and ready_times:
@@ -356,9 +357,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
             tprm = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau).tprm_smoothed
             if tprm:
                 break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
+            # k Ref ranks take the Ref forward the n_actor ranks did: t_ref scales by n_actor / k
+            ref_needed = ref_ranks_for_decoupled(
+                ready_times, lambda k: dataclasses.replace(times, t_ref=times.t_ref * n_actor / k), times,
+                len(ready_times), max_ref_ranks=max(1, len(self.rollout_roles)))
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
-        plan = self.ers.plan(self.global_steps, signals, self.rollout_roles)
+        plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, ref_ranks_needed=ref_needed)
         m.update({
             "tide/readiness/ready_at_start": float(signals.ready_at_start),
             "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),

@@ -70,7 +70,10 @@ class ERSPolicy:
         return max(self.min_batch, min(ready_volume, self.ideal_batch))
 
     def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
-             phase: Phase = Phase.TRAIN) -> ScalingPlan:
+             phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None) -> ScalingPlan:
+        """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has decoupled mode beat colocated for
+        the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown. Ranks move to
+        Ref only while that many can be reached without making rollout the bottleneck."""
         batch = self.elastic_batch(signals.ready_volume)
         if not self.config.enabled:
             return self._hold(step, roles, batch, "ERS disabled")
@@ -97,10 +100,41 @@ class ERSPolicy:
             return self._finish(step, (), mode, batch, False,
                                 f"{why}; waiting for confirmation ({self._streak[1]}/{self.confirm_steps})")
         src = Role.ROLLOUT if want is Role.REF else Role.REF
+        if want is Role.REF:
+            short = self._rollout_would_starve(signals, roles, ref_ranks_needed)
+            if short:
+                self._streak = (None, 0)
+                return self._finish(step, (), mode, batch, False, f"{why}; no move: {short}")
         moves = self._moves(step, roles, src, want)
         if not moves:
             return self._finish(step, (), mode, batch, False, f"{why}; no {src.value} rank may move (limits/cooldown)")
         return self._finish(step, moves, mode, batch, want is Role.REF, f"{why}; move {len(moves)} {src.value} -> {want.value}")
+
+    def _rollout_would_starve(self, signals: ReadinessSignals, roles: Mapping[int, Role],
+                              ref_ranks_needed: Optional[int] = None) -> str:
+        """Why moving a rank from rollout to Ref would not pay ('' if it would).
+
+        A backlog (HoL, RAS) says the trainer was behind, not that rollout can spare a rank: found in the
+        simulator, where ERS drained the backlog by moving ranks to Ref and then starved the trainer. The
+        remaining ranks must still produce a batch per step at the rate measured while rollout worked, and
+        a Ref rank helps only once there are enough of them for decoupled mode to beat colocated (until
+        then it idles), so the move must lead there."""
+        rate, step_s = signals.rollout_capacity_rate, signals.mean_step_time
+        n = sum(1 for r in roles.values() if r is Role.ROLLOUT)
+        n_ref = len(roles) - n
+        if rate is None or not step_s or n <= 1:
+            return ""
+        need = self.ideal_batch / step_s
+        spare = 0  # ranks rollout can give up and still make `need`
+        while spare + 1 < n and rate * (n - spare - 1) / n >= need:
+            spare += 1
+        if spare == 0:
+            return (f"{n - 1} rollout rank(s) would make {rate * (n - 1) / n:.2f} seq/s, below the {need:.2f} "
+                    f"seq/s the trainer consumes")
+        if ref_ranks_needed is not None and n_ref + spare < ref_ranks_needed:
+            return (f"decoupled mode needs {ref_ranks_needed} Ref ranks, rollout can spare {spare} "
+                    f"(with {n_ref} already Ref)")
+        return ""
 
     def _hold(self, step: int, roles: Mapping[int, Role], batch: int, reason: str) -> ScalingPlan:
         mode = RA2PMode.DECOUPLED if any(r is Role.REF for r in roles.values()) else RA2PMode.COLOCATED

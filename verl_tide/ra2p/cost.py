@@ -7,7 +7,7 @@ are relative to the start of the training step (<= 0: ready at start).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
@@ -159,4 +159,15 @@ def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTime
         ready = [0.0] * n0 + [tprm * (k + 1) for k in range(n_micro_batches - n0)]
         if decoupled_cost(ready, times, actor_ranks) <= colocated_cost(ready, times, max_aggregate):
             return n0
+    return None
+
+
+def ref_ranks_for_decoupled(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
+                            colocated_times: StageTimes, max_aggregate: int, max_ref_ranks: int) -> Optional[int]:
+    """Fewest Ref ranks (1..max_ref_ranks) with which decoupled mode beats colocated on these arrivals;
+    None if none does. `times_with_ref_ranks(k)` gives the stage times when k Ref ranks serve the Actor."""
+    c_col = colocated_cost(ready_times, colocated_times, max_aggregate)
+    for k in range(1, max_ref_ranks + 1):
+        if decoupled_cost(ready_times, times_with_ref_ranks(k), actor_ranks=1) < c_col:
+            return k
     return None

@@ -34,7 +34,7 @@ from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, choose_mode, colocated_cost, decoupled_break_even_ras,
-                                 decoupled_cost, global_batch_cost, streaming_swap_cost)
+                                 decoupled_cost, global_batch_cost, ref_ranks_for_decoupled, streaming_swap_cost)
 from verl_tide.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
@@ -488,7 +488,12 @@ class Simulation:
         signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
         phase = Phase.EVAL if eval_next else Phase.TRAIN
         t0 = time.perf_counter()
-        plan = self.ers.plan(self.consumed_steps, signals, roles, phase)
+        needed = None
+        if self.tracker.last_ready_times and self._last_tokens_per_mb:
+            tok = self._last_tokens_per_mb
+            needed = ref_ranks_for_decoupled(self.tracker.last_ready_times, lambda k: self._stage_times(tok, k),
+                                             self._stage_times(tok), self.spec.max_aggregate, len(roles))
+        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
         rec_moves = self.step_records[-1].moves
         for move in plan.moves:
