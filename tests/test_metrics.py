@@ -109,9 +109,11 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
     metrics.update_from_ledger(ledger)
     metrics.update_from_ctb_status({"0": {"usage": 10, "budget": 100}}, {"active": 1}, {"pauses": 1})
     metrics.update_hit_rates({"0": 0.5})
+    metrics.update_from_eval({"tide/eval/overlapped_s": 2.5, "tide/eval/trainer_wait_s": 0.5, "val-core/x": 1.0})
     served = set(re.findall(r"^# TYPE (\S+)", generate_latest(metrics.registry).decode(), re.M))
     served |= {f"{name}_total" for name in served}  # counters are queried with their _total suffix
     assert queried and queried <= served, queried - served
     body = generate_latest(metrics.registry).decode()
     assert 'tide_goodput_ledger{quantity="groups_submitted"} 1.0' in body
     assert 'tide_ctb_rank_budget_tokens{rank="0"} 100.0' in body
+    assert 'tide_eval{quantity="overlapped_s"} 2.5' in body and "val-core" not in body

@@ -104,6 +104,8 @@ class TideMetrics:
         self.ers_plan = Gauge("tide_ers_last_plan_info", "The last ERS plan (value 1) and its reason",
                               ["step", "ra2p_mode", "reason"], registry=r)
         self.readiness = Gauge("tide_readiness", "Readiness signals after the last step", ["signal"], registry=r)
+        self.evaluation = Gauge("tide_eval", "The last overlapped evaluation: model_step, overlapped_s, "
+                                "trainer_wait_s", ["quantity"], registry=r)
         self.ledger = Gauge("tide_goodput_ledger", "Goodput ledger: groups, samples and tokens by outcome; "
                             "goodput_tok_s", ["quantity"], registry=r)
 
@@ -132,6 +134,12 @@ class TideMetrics:
                 metric = self.decisions if key in ("pauses", "resumes", "admissions") else self.outcomes
                 metric.labels(**({"kind": key} if metric is self.decisions else {"outcome": key})).inc(delta)
             self._seen[key] = value
+
+    def update_from_eval(self, metrics: Mapping[str, float]) -> None:
+        """An overlapped evaluation's timing (`tide/eval/*` of `evaluation.OverlappedEvaluation.collect`)."""
+        for key, value in metrics.items():
+            if key.startswith("tide/eval/"):
+                self.evaluation.labels(quantity=key[len("tide/eval/"):]).set(float(value))
 
     def update_from_ers(self, plan: ScalingPlan, signals: ReadinessSignals, roles: Mapping[int, Role]) -> None:
         """One step of ERS: ranks per role after the plan, the plan and its reason, RWT, TWT, RAS, TPRM, HoL."""

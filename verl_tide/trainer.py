@@ -313,6 +313,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.step_finished()
         self._pending_sync_metrics.update(self._tide_step_metrics())
         self._pending_sync_metrics.update(eval_metrics)
+        if eval_metrics and self.tide_metrics is not None:
+            self.tide_metrics.update_from_eval(eval_metrics)
 
     def on_train_end(self):
         super().on_train_end()
