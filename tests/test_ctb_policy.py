@@ -34,6 +34,27 @@ def test_probe_admits_one_task_per_group_until_its_first_turn():
     assert s.ranks[0].usage == 50 + 4 * (120 - 50)
 
 
+def test_state_survives_a_checkpoint_and_reissued_groups_skip_the_probe():
+    s = sched({0: 1000})
+    for i in range(2):
+        s.add_task(i, group_id="g", prompt_tokens=50, group_size=2)
+    s.tick()
+    s.turn_started(0, 120)
+    s.tick()
+    s.task_finished(0)
+    state = s.state_dict()
+    assert state["counters"]["admissions"] == 2 and state["group_probe"] == {"g": 120}
+
+    fresh = sched({"new-rank": 1000})  # after a resume: fresh engines, same groups re-issued by verl
+    fresh.load_state_dict(state)
+    assert fresh.counters["admissions"] == 2 and fresh.counters["consumed"] == 1
+    for i in range(2):
+        fresh.add_task(("again", i), group_id="g", prompt_tokens=50, group_size=2)
+    assert len(fresh.tick().admissions) == 2  # the probe is known: no one-task probe first
+    with pytest.raises(ValueError, match="unknown counter 'admisions'"):
+        fresh.load_state_dict({"counters": {"admisions": 1}})
+
+
 def test_pause_lowest_priority_when_over_budget_and_resume_with_affinity():
     s = sched({0: 300}, probe_first_turn=False)
     s.add_task("eval", group_id="e", prompt_tokens=100, is_eval=True)

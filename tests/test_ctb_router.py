@@ -66,6 +66,18 @@ async def test_evaluation_trajectories_are_admitted_before_waiting_training_ones
     await asyncio.wait_for(train, 5)
 
 
+async def test_router_state_round_trips():
+    lb = _lb()
+    sid, _ = await lb.acquire_server("tide-g.1", prompt_ids=[1] * 300)
+    lb.release_server(sid, request_id="tide-g.1")
+    lb.finish("tide-g.1")
+    state = lb.get_state()
+    again = _lb()
+    again.load_state(state)
+    assert again.get_status()["ctb"]["admissions"] == 1 and again.get_status()["ctb"]["consumed"] == 1
+    assert again.gate.scheduler.state_dict()["group_probe"] == {"g": 300}
+
+
 async def test_idle_trajectories_are_finished_and_readmitted_if_they_return():
     lb = _lb()
     sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 500)

@@ -141,6 +141,12 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     assert sorted(steps) == [2], second.output[-3000:]  # the step count continued
     assert "verl-tide: resumed from step 1" in second.output
     m = steps[2]
+    # CTB's counters continued (and the re-issued groups' first-turn footprints came back with them).
+    restored = re.search(r"verl-tide: CTB state restored \((\d+) admissions so far", second.output)
+    assert restored, second.output[-3000:]
+    # saved with the checkpoint, just before step 1's metrics were read
+    assert 0 < int(restored.group(1)) <= first_step["tide/ctb/admissions"]
+    assert m["tide/ctb/admissions"] > int(restored.group(1))
     assert m["tide/ledger/groups_consumed"] == 8  # 4 before the restart + 4 now: the ledger continued
     # (This step trained on groups restored from the checkpoint; the re-issued ones were still running.)
     # In-flight groups of the first run were re-issued, not counted again as new submissions.

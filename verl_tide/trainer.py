@@ -111,6 +111,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
         self._training = False
+        self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
+        self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
 
     # ---- construction --------------------------------------------------------------------
@@ -188,6 +190,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.current_mode = HybridEngineMode.TRAINER
         self._warn_about_stock_agent_loops()
         self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(self.standalone_server_manager.get_replicas()))}
+        self._restore_ctb_and_roles()
         self._start_metrics_server()
 
     def _warn_about_stock_agent_loops(self) -> None:
@@ -224,7 +227,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def _save_checkpoint(self):
         super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
-        state = {"global_steps": self.global_steps, "ledger": self.ledger.state_dict(),
+        state = {"global_steps": self.global_steps, "ledger": self.ledger.state_dict(), "ctb": self._ctb_state(),
                  "ers_last_moved": {str(r): [s, role.value] for r, (s, role) in self.ers._last_moved.items()},
                  "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()}}
         path = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}", self.TIDE_STATE)
@@ -246,9 +249,31 @@ class TideTrainer(PPOTrainerSeparateAsync):
         for uid, (samples, _tokens) in self.ledger.ready().items():  # restored from TransferQueue as ready
             self.readiness.micro_batch_ready(uid, max(samples, 1))
         self.ers._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state["ers_last_moved"].items()}
-        # CTB state is not restored on purpose: engines restart with empty KV caches, and verl re-issues
-        # the in-flight groups, which CTB admits afresh.
+        self._restored_roles = {int(r): Role(role) for r, role in state.get("rollout_roles", {}).items()}
+        # CTB's router starts after this (in _setup); its counters and group probes are handed over there.
+        self._restored_ctb_state = state.get("ctb")
         print(f"verl-tide: resumed from step {state['global_steps']}: {self._ledger_text()}", flush=True)
+
+    def _ctb_state(self) -> Optional[dict]:
+        if not self.tide_config.ctb.enabled:
+            return None
+        import ray
+
+        return ray.get(self.standalone_server_manager.global_load_balancer.get_state.remote(), timeout=60)
+
+    def _restore_ctb_and_roles(self) -> None:
+        """After the rollout pool exists: CTB's counters and group probes, and the ranks' roles."""
+        state = self._restored_ctb_state
+        if state and self.tide_config.ctb.enabled:
+            import ray
+
+            ray.get(self.standalone_server_manager.global_load_balancer.load_state.remote(state), timeout=60)
+            n = len(state["scheduler"]["group_probe"])
+            print(f"verl-tide: CTB state restored ({state['scheduler']['counters']['admissions']} admissions so "
+                  f"far, first-turn footprints of {n} groups)", flush=True)
+        for rank, role in self._restored_roles.items():
+            if rank in self.rollout_roles:
+                self.rollout_roles[rank] = role
 
     # ---- the loop's hooks ----------------------------------------------------------------
     def _submit_batch_to_rollout(self, batch) -> int:

@@ -168,6 +168,23 @@ class CTBScheduler:
             raise ValueError(f"admission allowance = {new_tasks}: must be >= 0 or None")
         self._admission_allowance = new_tasks
 
+    def state_dict(self) -> dict:
+        """What survives a checkpoint: decision and outcome counters, and each GRPO group's prompt and
+        first-turn footprint (verl re-issues in-flight groups under the same uid after a resume; with their
+        probes known, CTB admits them without probing again). Tasks and ranks do not: engines restart empty."""
+        return {"counters": dict(self.counters),
+                "group_probe": {str(g): v for g, v in self._group_probe.items()},
+                "group_prompt": {str(g): v for g, v in self._group_prompt.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.get("counters", {}).items():
+            if key not in self.counters:
+                raise ValueError(f"CTB state: unknown counter {key!r}; known: {', '.join(self.counters)}")
+            self.counters[key] = int(value)
+        self._group_probe.update({g: int(v) for g, v in state.get("group_probe", {}).items()})
+        for g, v in state.get("group_prompt", {}).items():
+            self._group_prompt.setdefault(g, int(v))
+
     def add_rank(self, rank: RankId, kv_capacity_tokens: int) -> None:
         if rank in self.ranks:
             raise ValueError(f"rank {rank!r} is already known")

@@ -217,6 +217,16 @@ class CTBLoadBalancer:
                     **s.counters, **self.counters},
         }
 
+    def get_state(self) -> dict:
+        """CTB's checkpointable state (`CTBScheduler.state_dict`) plus the router's own counters."""
+        return {"scheduler": self.gate.scheduler.state_dict(), "router": dict(self.counters)}
+
+    def load_state(self, state: dict) -> None:
+        self.gate.scheduler.load_state_dict(state.get("scheduler", {}))
+        for key, value in state.get("router", {}).items():
+            if key in self.counters:
+                self.counters[key] = int(value)
+
     def get_metrics_url(self) -> Optional[str]:
         return self.metrics_url
 
