@@ -108,6 +108,26 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
+def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
+    """use_kl_loss=True with tide.ra2p.ref_ranks=1: verl's Ref worker (which cannot run on this CPU test bed)
+    is not built; a tide Ref replica on a fake GPU of its own writes ref_log_prob to TransferQueue. At step 1
+    the Ref and the Actor hold the same weights (one update per step), so verl's KL loss is ~0 if and only if
+    the replica scores the same tokens the same way (alignment, temperature); after two updates it is not."""
+    work = tmp_path_factory.mktemp("tide_ref_ranks")
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
+    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
+                                                        "+ray_kwargs.ray_init.num_gpus=3"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-6000:]
+    assert "1 Ref replica(s) on GPUs of their own" in run.output
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert abs(steps[1]["actor/kl_loss"]) < 1e-4, steps[1]
+    assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
+    assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
+    assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
+
+
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_bad_layout")
     single = GRPOJob(**{**job.__dict__, "n_gpus": 1, "ppo_mini_batch_size": None})

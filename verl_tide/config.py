@@ -102,6 +102,10 @@ class RA2PConfig:
         default=4, metadata=_check(lambda x: x >= 1, ">= 1", "Actor ranks one decoupled Ref rank serves")
     )
     zero_copy: bool = field(default=True, metadata=_help("colocated hand-off without serialization"))
+    ref_ranks: int = field(
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0", "Ref replicas on GPUs of their own (decoupled "
+                                   "placement); 0 = verl's Ref on the trainer's GPUs")
+    )
 
 
 @dataclass(frozen=True)

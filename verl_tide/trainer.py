@@ -111,6 +111,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
         self._training = False
+        self.ref_pool: Any = None  # tide's Ref replicas (tide.ra2p.ref_ranks > 0)
+        self._ref_pool_wanted = False
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
@@ -134,6 +136,40 @@ class TideTrainer(PPOTrainerSeparateAsync):
         super()._init_dataloader()
         if getattr(self, "val_dataloader", None) is not None:
             self.val_dataloader = EvalMarkedLoader(self.val_dataloader)  # CTB ranks evaluation prompts first
+
+    # ---- Ref on ranks of its own (tide.ra2p.ref_ranks) -------------------------------------
+    @property
+    def _own_ref_ranks(self) -> int:
+        return self.tide_config.ra2p.ref_ranks if self.use_reference_policy or self._ref_pool_wanted else 0
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        if self._own_ref_ranks:
+            # verl's Ref would share the trainer's GPUs; tide's Ref replicas get GPUs of their own instead.
+            from verl.trainer.ppo.utils import Role as VerlRole
+
+            self.role_worker_mapping.pop(VerlRole.RefPolicy, None)
+            self.mapping.pop(VerlRole.RefPolicy, None)
+
+    def _start_ref_pool(self) -> None:
+        from verl_tide.ra2p.ref_workers import RefPool
+
+        model = self.config.actor_rollout_ref.model
+        dtype = str(self.config.actor_rollout_ref.ref.fsdp_config.get("model_dtype", "bfloat16") or "bfloat16")
+        self.ref_pool = RefPool(str(model.path), self.tide_config.ra2p.ref_ranks, dtype=dtype,
+                                trust_remote_code=bool(model.get("trust_remote_code", False)))
+        print(f"verl-tide: {self.tide_config.ra2p.ref_ranks} Ref replica(s) on GPUs of their own (RA2P decoupled "
+              f"placement); verl's Ref worker is not built", flush=True)
+
+    def _compute_ref_log_prob(self, batch, metrics: dict):
+        if self.ref_pool is None:
+            return super()._compute_ref_log_prob(batch, metrics)
+        timing = self.ref_pool.compute(list(batch.keys), batch.partition_id,
+                                       float(self.config.actor_rollout_ref.rollout.temperature))
+        if timing["tokens"] > 0:  # measured on the Ref workers: RA2P's t_ref per token
+            self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
+            metrics["tide/ra2p/ref_worker_s"] = timing["seconds"]
+        return batch
 
     def _validation_buffer(self) -> ReplayBufferAsync:
         """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
@@ -175,7 +211,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return CTBLoadBalancer.with_config({"ctb": ctb, "backend": self.config.actor_rollout_ref.rollout.name})
 
     def _setup(self):
+        # With tide's own Ref replicas, verl must not build its Ref worker group; the flag goes back on after,
+        # so verl's step still asks for ref log-probs (answered by `_compute_ref_log_prob` below).
+        self._ref_pool_wanted = bool(self.use_reference_policy and self.tide_config.ra2p.ref_ranks)
+        if self._ref_pool_wanted:
+            self.use_reference_policy = False
         PPOTrainer._setup(self)  # actor (and Ref) worker groups, reward loop, no colocated rollout
+        if self._ref_pool_wanted:
+            self.use_reference_policy = True
+            self._start_ref_pool()
         self.standalone_server_manager = LLMServerManager.create(
             config=self.config, start_rank=0, load_balancer_cls=self._ctb_balancer_cls())
         rollout_config = self.config.actor_rollout_ref.rollout
@@ -343,6 +387,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def on_train_end(self):
         super().on_train_end()
+        if self.ref_pool is not None:
+            self.ref_pool.shutdown()
         if self.overlapped_eval is not None:
             self.overlapped_eval.close()
         if self.metrics_server is not None:
@@ -353,7 +399,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if step_tokens <= 0:
             return
         t = self.timing_raw
-        if "ref" in t:
+        if "ref" in t and self.ref_pool is None:  # tide's Ref replicas report their own forward time
             self.stage_timer.observe("ref", step_tokens, t["ref"])
         if "old_log_prob" in t:
             self.stage_timer.observe("act_f", step_tokens, t["old_log_prob"])

@@ -1,0 +1,111 @@
+"""Ref replicas on ranks of their own (RA2P decoupled placement): the reference log-probs of a batch,
+computed next to the trainer instead of on its GPUs.
+
+verl puts its Ref worker in the trainer's resource pool, so Ref and Actor take turns on the same
+GPUs (paper C2). Trainer `tide` with `tide.ra2p.ref_ranks = N` leaves verl's Ref out and starts N
+`RefReplica` Ray actors, each holding the initial policy (the Ref model) on a GPU of its own. They
+read a batch's sequences from TransferQueue and write `ref_log_prob` back in verl's format (one
+jagged row of response-token log-probs per sample, temperature-scaled as verl's workers do), and
+report how long the forward took per token: the Ref stage time RA2P's cost model needs, measured on
+the worker. Mechanism layer: torch, transformers, Ray and TransferQueue; no verl import.
+
+Text models only (the replica runs a plain causal-LM forward; multi-modal inputs are not passed).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import ray
+import torch
+
+REF_FIELD = "ref_log_prob"
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """verl's dtype spellings (`fp32`, `bf16`, ...) and torch's."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"actor_rollout_ref.ref.fsdp_config.model_dtype = {name!r}: must be one of "
+                         f"{' | '.join(DTYPES)}") from None
+
+
+def response_log_probs(model: Any, input_ids: torch.Tensor, response_len: int, temperature: float) -> torch.Tensor:
+    """log p(token) of the last `response_len` tokens of one sequence (1-D `input_ids`), as verl computes them:
+    logits / temperature, log-softmax, each token scored by the position before it."""
+    with torch.no_grad():
+        logits = model(input_ids=input_ids.unsqueeze(0)).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    total = input_ids.shape[0]
+    positions = torch.arange(total - response_len - 1, total - 1)
+    return logp[positions, input_ids[total - response_len:]]
+
+
+class RefReplica:
+    """One Ref model on one device. `ray.remote(num_gpus=1)(RefReplica)` places it on a GPU of its own."""
+
+    def __init__(self, model_path: str, dtype: str = "float32", trust_remote_code: bool = False):
+        from transformers import AutoModelForCausalLM
+
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, torch_dtype=parse_dtype(dtype), trust_remote_code=trust_remote_code).to(self.device)
+        self.model.eval()
+        self._tq_ready = False
+
+    def _tq(self) -> Any:
+        import transfer_queue as tq
+
+        if not self._tq_ready:
+            tq.init()  # attaches to the job's TransferQueue controller
+            self._tq_ready = True
+        return tq
+
+    def compute(self, keys: list[str], partition_id: str, temperature: float) -> dict[str, float]:
+        """Read the samples' sequences, write their `ref_log_prob`; return {tokens, seconds} of the forward."""
+        from tensordict import TensorDict
+
+        tq = self._tq()
+        data = tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["input_ids", "response_mask"])
+        input_ids, response_mask = data["input_ids"], data["response_mask"]
+        response_lens = response_mask.offsets().diff().tolist()
+        rows, tokens = [], 0
+        start = time.perf_counter()
+        for seq, resp_len in zip(input_ids.unbind(), response_lens):
+            seq = seq.to(self.device)
+            rows.append(response_log_probs(self.model, seq, int(resp_len), temperature).cpu())
+            tokens += int(seq.shape[0])
+        seconds = time.perf_counter() - start
+        out = TensorDict({REF_FIELD: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=[len(rows)])
+        tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=out)
+        return {"tokens": float(tokens), "seconds": seconds}
+
+
+class RefPool:
+    """N Ref replicas; a batch is split into contiguous shares, one per replica, computed in parallel."""
+
+    def __init__(self, model_path: str, replicas: int, num_gpus: float = 1.0, dtype: str = "float32",
+                 trust_remote_code: bool = False):
+        if replicas < 1:
+            raise ValueError(f"tide.ra2p.ref_ranks = {replicas}: a Ref pool needs >= 1 replica")
+        parse_dtype(dtype)  # a bad name fails here, in the driver, not in every replica
+        actor = ray.remote(num_gpus=num_gpus)(RefReplica)
+        self.replicas = [actor.remote(model_path, dtype, trust_remote_code) for _ in range(replicas)]
+
+    def compute(self, keys: list[str], partition_id: str, temperature: float,
+                timeout_s: Optional[float] = None) -> dict[str, float]:
+        """Ref log-probs of every key, written to TransferQueue; the summed tokens and the slowest replica's
+        seconds (the stage's wall time)."""
+        n = len(self.replicas)
+        shares = [keys[i * len(keys) // n:(i + 1) * len(keys) // n] for i in range(n)]
+        refs = [r.compute.remote(share, partition_id, temperature) for r, share in zip(self.replicas, shares) if share]
+        results = ray.get(refs, timeout=timeout_s)
+        return {"tokens": sum(r["tokens"] for r in results), "seconds": max((r["seconds"] for r in results), default=0.0)}
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            ray.kill(r)
