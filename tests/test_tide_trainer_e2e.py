@@ -128,6 +128,32 @@ def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
     assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
 
 
+def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):
+    """tide.ra2p.mode=decoupled: Ref starts on its own rank when a mini-batch is sampled; the Actor's installed
+    deferred-KL loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without
+    ref log-probs and its backward picks them up from the Ref service by sample id: every sample put there
+    was served to a backward, none is left behind."""
+    work = tmp_path_factory.mktemp("tide_decoupled")
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True})  # 2 mini-batches (updates) per step
+    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
+                                                        "tide.ra2p.mode=decoupled", "+ray_kwargs.ray_init.num_gpus=3"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-6000:]
+    assert "deferred KL: the Actor's forward does not wait for Ref" in run.output
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    samples_per_step = kl_job.train_batch_size * kl_job.rollout_n
+    for n in steps:
+        m = steps[n]
+        # (verl averages a step's metrics over its mini-batches; the counters are cumulative)
+        if n > 1:
+            assert m["tide/ra2p/ref_service_put"] - steps[n - 1]["tide/ra2p/ref_service_put"] == samples_per_step
+        # every micro-batch's backward fetched its rows (each sample once per PPO epoch), none left behind
+        assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
+        assert m["tide/ra2p/ref_service_held"] == 0
+        assert "actor/kl_loss" not in m  # the KL value exists only in the backward
+
+
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_bad_layout")
     single = GRPOJob(**{**job.__dict__, "n_gpus": 1, "ppo_mini_batch_size": None})

@@ -18,10 +18,12 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
 - quarantine of rollout ranks that die or stop answering (checked at each step boundary, and by
   `tide_env_agent` the moment a turn fails): no new tasks, no weight syncs, tasks re-dispatched;
 - evaluation overlapped with the next step's rollout (`tide.overlap_eval`, `evaluation.py`), its
-  prompts at CTB's top priority.
+  prompts at CTB's top priority;
+- Ref on ranks of its own (`tide.ra2p.ref_ranks`, `ra2p/ref_workers.py`) instead of verl's Ref on the
+  trainer's GPUs; with `tide.ra2p.mode=decoupled` the KL term is deferred to the Actor's backward.
 
 Not yet (README "Limits"): ranks do not move between roles (the ERS plan is computed and logged,
-not applied); RA2P's decoupled Ref ranks.
+not applied); RA2P's mode is not switched per step inside the trainer; no colocated aggregation.
 """
 
 from __future__ import annotations
@@ -112,6 +114,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.health_timeout_s = 30.0
         self._training = False
         self.ref_pool: Any = None  # tide's Ref replicas (tide.ra2p.ref_ranks > 0)
+        self.ref_service: Any = None  # decoupled mode: where the Actor's backward picks ref log-probs up
+        self._ref_service_name = ""
+        self._ref_in_flight: Optional[tuple] = None
+        self._next_sample_id = 0
         self._ref_pool_wanted = False
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
@@ -152,24 +158,81 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.mapping.pop(VerlRole.RefPolicy, None)
 
     def _start_ref_pool(self) -> None:
-        from verl_tide.ra2p.ref_workers import RefPool
+        import ray
+
+        from verl_tide.ra2p.ref_workers import RefLogProbService, RefPool, ServiceRefSource
 
         model = self.config.actor_rollout_ref.model
         dtype = str(self.config.actor_rollout_ref.ref.fsdp_config.get("model_dtype", "bfloat16") or "bfloat16")
         self.ref_pool = RefPool(str(model.path), self.tide_config.ra2p.ref_ranks, dtype=dtype,
                                 trust_remote_code=bool(model.get("trust_remote_code", False)))
+        how = "Actor waits for them"
+        if self.tide_config.ra2p.mode == "decoupled":
+            if self.config.algorithm.get("use_kl_in_reward", False):
+                raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0: the KL term is "
+                                       "deferred to the Actor's backward, so algorithm.use_kl_in_reward must be "
+                                       "false (use actor_rollout_ref.actor.use_kl_loss)"])
+            from verl_tide.ra2p.loss import DeferredKLLoss
+
+            self._ref_service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
+            self.ref_service = ray.remote(RefLogProbService).options(name=self._ref_service_name).remote()
+            actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+            self.actor_rollout_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self._ref_service_name)))
+            how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
         print(f"verl-tide: {self.tide_config.ra2p.ref_ranks} Ref replica(s) on GPUs of their own (RA2P decoupled "
-              f"placement); verl's Ref worker is not built", flush=True)
+              f"placement; {how}); verl's Ref worker is not built", flush=True)
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap."""
+        if self.ref_service is not None:
+            self._start_deferred_ref(batch)
+        return super()._compute_old_log_prob(batch, metrics)
+
+    def _start_deferred_ref(self, batch) -> None:
+        import torch
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from verl_tide.ra2p.loss import SAMPLE_ID_KEY
+
+        keys = list(batch.keys)
+        ids = list(range(self._next_sample_id, self._next_sample_id + len(keys)))
+        self._next_sample_id += len(keys)
+        # The Actor's loss reads each sample's id from its data (TransferQueue), then asks the service for it.
+        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+                        fields=TensorDict({SAMPLE_ID_KEY: torch.tensor(ids, dtype=torch.int64)}, batch_size=[len(ids)]))
+        pending = self.ref_pool.start(keys, batch.partition_id, float(self.config.actor_rollout_ref.rollout.temperature),
+                                      sample_ids=ids, service_name=self._ref_service_name)
+        self._ref_in_flight = (pending, ids, time.perf_counter())
 
     def _compute_ref_log_prob(self, batch, metrics: dict):
         if self.ref_pool is None:
             return super()._compute_ref_log_prob(batch, metrics)
+        if self.ref_service is not None:
+            return batch  # already running since the sample; the Actor's backward waits for it
         timing = self.ref_pool.compute(list(batch.keys), batch.partition_id,
                                        float(self.config.actor_rollout_ref.rollout.temperature))
+        self._observe_ref_workers(timing, metrics)
+        return batch
+
+    def _update_actor(self, batch, metrics: dict):
+        batch = super()._update_actor(batch, metrics)
+        if self.ref_service is not None and self._ref_in_flight is not None:
+            import ray
+
+            pending, ids, started = self._ref_in_flight
+            self._ref_in_flight = None
+            self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
+            metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
+            ray.get(self.ref_service.discard.remote(ids))
+            stats = ray.get(self.ref_service.stats.remote())
+            metrics.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+        return batch
+
+    def _observe_ref_workers(self, timing: dict, metrics: dict) -> None:
         if timing["tokens"] > 0:  # measured on the Ref workers: RA2P's t_ref per token
             self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
             metrics["tide/ra2p/ref_worker_s"] = timing["seconds"]
-        return batch
 
     def _validation_buffer(self) -> ReplayBufferAsync:
         """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""

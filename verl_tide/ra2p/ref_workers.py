@@ -45,6 +45,62 @@ def response_log_probs(model: Any, input_ids: torch.Tensor, response_len: int, t
     return logp[positions, input_ids[total - response_len:]]
 
 
+class RefLogProbService:
+    """Where Ref replicas leave ref log-probs by sample id and the Actor's deferred-KL backward picks them up
+    (decoupled mode: the Actor's forward starts before Ref is done). A named Ray actor, one per job."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._data: dict[int, torch.Tensor] = {}
+        self._arrived = asyncio.Condition()
+        self.counters = {"put": 0, "served": 0}
+
+    async def put(self, sample_ids: list[int], rows: list[torch.Tensor]) -> None:
+        async with self._arrived:
+            for i, row in zip(sample_ids, rows):
+                self._data[int(i)] = row
+            self.counters["put"] += len(sample_ids)
+            self._arrived.notify_all()
+
+    async def get(self, sample_ids: list[int], timeout_s: float) -> list[torch.Tensor]:
+        import asyncio
+
+        ids = [int(i) for i in sample_ids]
+        async with self._arrived:
+            try:
+                await asyncio.wait_for(self._arrived.wait_for(lambda: all(i in self._data for i in ids)), timeout_s)
+            except asyncio.TimeoutError:
+                missing = [i for i in ids if i not in self._data]
+                raise TimeoutError(f"ref log-probs of samples {missing[:8]} did not arrive within {timeout_s} s") from None
+            self.counters["served"] += len(ids)
+            return [self._data[i] for i in ids]
+
+    def discard(self, sample_ids: list[int]) -> None:
+        for i in sample_ids:
+            self._data.pop(int(i), None)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.counters, "held": len(self._data)}
+
+
+class ServiceRefSource:
+    """The Actor workers' `RefLogProbSource` (ra2p/loss.py): the job's `RefLogProbService`, found by name.
+    Picklable, so it travels with the loss function to every Actor rank."""
+
+    def __init__(self, service_name: str):
+        self.service_name = service_name
+        self._service: Any = None
+
+    def __getstate__(self) -> dict:
+        return {"service_name": self.service_name, "_service": None}
+
+    def get(self, sample_ids: list[int], timeout_s: float) -> list[torch.Tensor]:
+        if self._service is None:
+            self._service = ray.get_actor(self.service_name)
+        return ray.get(self._service.get.remote(list(sample_ids), timeout_s))
+
+
 class RefReplica:
     """One Ref model on one device. `ray.remote(num_gpus=1)(RefReplica)` places it on a GPU of its own."""
 
@@ -65,8 +121,10 @@ class RefReplica:
             self._tq_ready = True
         return tq
 
-    def compute(self, keys: list[str], partition_id: str, temperature: float) -> dict[str, float]:
-        """Read the samples' sequences, write their `ref_log_prob`; return {tokens, seconds} of the forward."""
+    def compute(self, keys: list[str], partition_id: str, temperature: float, sample_ids: Optional[list[int]] = None,
+                service_name: Optional[str] = None) -> dict[str, float]:
+        """Read the samples' sequences and score them; the log-probs go to TransferQueue as `ref_log_prob`, or,
+        in decoupled mode, to the `RefLogProbService` under `sample_ids`. Returns {tokens, seconds} of the forward."""
         from tensordict import TensorDict
 
         tq = self._tq()
@@ -80,8 +138,12 @@ class RefReplica:
             rows.append(response_log_probs(self.model, seq, int(resp_len), temperature).cpu())
             tokens += int(seq.shape[0])
         seconds = time.perf_counter() - start
-        out = TensorDict({REF_FIELD: torch.nested.as_nested_tensor(rows, layout=torch.jagged)}, batch_size=[len(rows)])
-        tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=out)
+        if service_name is not None:
+            ray.get(ray.get_actor(service_name).put.remote(list(sample_ids or []), rows))
+        else:
+            out = TensorDict({REF_FIELD: torch.nested.as_nested_tensor(rows, layout=torch.jagged)},
+                             batch_size=[len(rows)])
+            tq.kv_batch_put(keys=keys, partition_id=partition_id, fields=out)
         return {"tokens": float(tokens), "seconds": seconds}
 
 
@@ -96,15 +158,28 @@ class RefPool:
         actor = ray.remote(num_gpus=num_gpus)(RefReplica)
         self.replicas = [actor.remote(model_path, dtype, trust_remote_code) for _ in range(replicas)]
 
+    def start(self, keys: list[str], partition_id: str, temperature: float, sample_ids: Optional[list[int]] = None,
+              service_name: Optional[str] = None) -> list:
+        """Score every key (contiguous shares, one per replica); returns the replicas' pending results."""
+        n = len(self.replicas)
+        refs = []
+        for i, replica in enumerate(self.replicas):
+            lo, hi = i * len(keys) // n, (i + 1) * len(keys) // n
+            if hi > lo:
+                ids = None if sample_ids is None else sample_ids[lo:hi]
+                refs.append(replica.compute.remote(keys[lo:hi], partition_id, temperature, ids, service_name))
+        return refs
+
+    @staticmethod
+    def finish(pending: list, timeout_s: Optional[float] = None) -> dict[str, float]:
+        """The summed tokens and the slowest replica's seconds (the stage's wall time)."""
+        results = ray.get(pending, timeout=timeout_s)
+        return {"tokens": sum(r["tokens"] for r in results), "seconds": max((r["seconds"] for r in results), default=0.0)}
+
     def compute(self, keys: list[str], partition_id: str, temperature: float,
                 timeout_s: Optional[float] = None) -> dict[str, float]:
-        """Ref log-probs of every key, written to TransferQueue; the summed tokens and the slowest replica's
-        seconds (the stage's wall time)."""
-        n = len(self.replicas)
-        shares = [keys[i * len(keys) // n:(i + 1) * len(keys) // n] for i in range(n)]
-        refs = [r.compute.remote(share, partition_id, temperature) for r, share in zip(self.replicas, shares) if share]
-        results = ray.get(refs, timeout=timeout_s)
-        return {"tokens": sum(r["tokens"] for r in results), "seconds": max((r["seconds"] for r in results), default=0.0)}
+        """Ref log-probs of every key, written to TransferQueue before this returns."""
+        return self.finish(self.start(keys, partition_id, temperature), timeout_s)
 
     def shutdown(self) -> None:
         for r in self.replicas:
