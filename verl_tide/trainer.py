@@ -167,7 +167,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ref_pool = RefPool(str(model.path), self.tide_config.ra2p.ref_ranks, dtype=dtype,
                                 trust_remote_code=bool(model.get("trust_remote_code", False)))
         how = "Actor waits for them"
-        if self.tide_config.ra2p.mode == "decoupled":
+        # With Ref on ranks of its own, deferring the KL term only removes a wait: auto takes it too
+        # (colocated asks for the Actor to wait for the replicas).
+        if self.tide_config.ra2p.mode in ("decoupled", "auto"):
             if self.config.algorithm.get("use_kl_in_reward", False):
                 raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0: the KL term is "
                                        "deferred to the Actor's backward, so algorithm.use_kl_in_reward must be "
@@ -227,6 +229,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             ray.get(self.ref_service.discard.remote(ids))
             stats = ray.get(self.ref_service.stats.remote())
             metrics.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+            kl = ray.get(self.ref_service.take_kl.remote())
+            if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
+                metrics["actor/kl_loss"] = kl
         return batch
 
     def _observe_ref_workers(self, timing: dict, metrics: dict) -> None:

@@ -89,6 +89,9 @@ class _DeferredKL(torch.autograd.Function):
                                **spec["global_batch_info"])
             (grad,) = torch.autograd.grad(kl_loss * spec["kl_loss_coef"], lp)
         spec["owner"].last_kl_loss = float(kl_loss.detach())
+        report = getattr(spec["source"], "report_kl", None)
+        if report is not None:  # the value exists only here: hand it to whoever logs the step
+            report(float(kl_loss.detach()))
         return grad_out * grad, None
 
 

@@ -55,6 +55,7 @@ class RefLogProbService:
         self._data: dict[int, torch.Tensor] = {}
         self._arrived = asyncio.Condition()
         self.counters = {"put": 0, "served": 0}
+        self._kl: list[float] = []  # KL-loss values reported by the Actor's backward since the last `take_kl`
 
     async def put(self, sample_ids: list[int], rows: list[torch.Tensor]) -> None:
         async with self._arrived:
@@ -83,6 +84,14 @@ class RefLogProbService:
     def stats(self) -> dict[str, int]:
         return {**self.counters, "held": len(self._data)}
 
+    def report_kl(self, value: float) -> None:
+        self._kl.append(float(value))
+
+    def take_kl(self) -> Optional[float]:
+        """Mean KL loss of the micro-batches since the last call (verl's `actor/kl_loss`), or None."""
+        values, self._kl = self._kl, []
+        return sum(values) / len(values) if values else None
+
 
 class ServiceRefSource:
     """The Actor workers' `RefLogProbSource` (ra2p/loss.py): the job's `RefLogProbService`, found by name.
@@ -99,6 +108,11 @@ class ServiceRefSource:
         if self._service is None:
             self._service = ray.get_actor(self.service_name)
         return ray.get(self._service.get.remote(list(sample_ids), timeout_s))
+
+    def report_kl(self, value: float) -> None:
+        if self._service is None:
+            self._service = ray.get_actor(self.service_name)
+        ray.get(self._service.report_kl.remote(value))  # before the update returns, so the step's log has it
 
 
 class RefReplica:
