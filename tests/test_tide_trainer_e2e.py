@@ -108,53 +108,46 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
-    """use_kl_loss=True with tide.ra2p.ref_ranks=1 and mode colocated (the Actor waits for Ref): verl's Ref
-    worker (which cannot run on this CPU test bed) is not built; a tide Ref replica on a fake GPU of its own
-    writes ref_log_prob to TransferQueue. At step 1
-    the Ref and the Actor hold the same weights (one update per step), so verl's KL loss is ~0 if and only if
-    the replica scores the same tokens the same way (alignment, temperature); after two updates it is not."""
-    work = tmp_path_factory.mktemp("tide_ref_ranks")
+def _kl_run(job, tmp_path_factory, mode: str):
+    """One update per step with use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1)."""
+    work = tmp_path_factory.mktemp(f"tide_ref_{mode}")
     kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
-                                                        "tide.ra2p.mode=colocated", "+ray_kwargs.ray_init.num_gpus=3"])
+                                                        f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-6000:]
-    assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
-    assert abs(steps[1]["actor/kl_loss"]) < 1e-4, steps[1]
+    # At step 1 the Ref and the Actor hold the same weights, so verl's KL loss is ~0 if and only if the
+    # replica scores the same tokens the same way (alignment, temperature); after two updates it is not.
+    assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
     assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
     assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
+    return run, steps, kl_job.train_batch_size * kl_job.rollout_n
+
+
+def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
+    """Mode colocated (the Actor waits for Ref): verl's Ref worker (which cannot run on this CPU test bed) is
+    not built; a tide Ref replica writes ref_log_prob to TransferQueue, which verl's own loss reads."""
+    run, steps, _ = _kl_run(job, tmp_path_factory, "colocated")
+    assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
     assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):
     """tide.ra2p.mode=decoupled: Ref starts on its own rank when a mini-batch is sampled; the Actor's installed
     deferred-KL loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without
-    ref log-probs and its backward picks them up from the Ref service by sample id: every sample put there
-    was served to a backward, none is left behind."""
-    work = tmp_path_factory.mktemp("tide_decoupled")
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})  # 1 update a step
-    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
-                                                        "tide.ra2p.mode=decoupled", "+ray_kwargs.ray_init.num_gpus=3"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-6000:]
+    ref log-probs and its backward picks them up from the Ref service by sample id (and reports the KL value):
+    every sample put there was served to a backward, none is left behind."""
+    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "decoupled")
     assert "deferred KL: the Actor's forward does not wait for Ref" in run.output
-    steps = parse_step_metrics(run.output)
-    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
-    samples_per_step = kl_job.train_batch_size * kl_job.rollout_n
     for n in steps:
         m = steps[n]
-        # (verl averages a step's metrics over its mini-batches; the counters are cumulative)
-        if n > 1:
+        if n > 1:  # the counters are cumulative
             assert m["tide/ra2p/ref_service_put"] - steps[n - 1]["tide/ra2p/ref_service_put"] == samples_per_step
         # every micro-batch's backward fetched its rows (each sample once per PPO epoch), none left behind
         assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
         assert m["tide/ra2p/ref_service_held"] == 0
-    # The KL value exists only in the backward, which reports it: 0 at step 1 (Ref == Actor), then not.
-    assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
-    assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
 
 
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
