@@ -445,13 +445,29 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
         sync_start = self.clock()
-        super().on_step_end()  # weight sync to every rollout rank (rollout is paused meanwhile)
+        self._sync_weights()
         self.readiness.rollout_waited(self.clock() - sync_start)
         self.readiness.step_finished()
         self._pending_sync_metrics.update(self._tide_step_metrics())
         self._pending_sync_metrics.update(eval_metrics)
         if eval_metrics and self.tide_metrics is not None:
             self.tide_metrics.update_from_eval(eval_metrics)
+
+    def _sync_weights(self) -> None:
+        """verl's weight sync to every rollout rank (rollout is paused meanwhile). A rank can die between the
+        health check and the sync (seen in the fault test: the kill landed there); then the sync fails on it:
+        quarantine it and sync the others once more, instead of losing the job."""
+        import ray
+
+        try:
+            super().on_step_end()
+        except ray.exceptions.RayActorError:
+            before = set(self.quarantined)
+            self._check_rollout_ranks()
+            if set(self.quarantined) == before:
+                raise  # not a rollout rank that died
+            print("verl-tide: a rollout rank died during the weight sync; syncing the others again", flush=True)
+            super().on_step_end()
 
     def on_train_end(self):
         super().on_train_end()
