@@ -169,11 +169,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
         how = "Actor waits for them"
         # With Ref on ranks of its own, deferring the KL term only removes a wait: auto takes it too
         # (colocated asks for the Actor to wait for the replicas).
-        if self.tide_config.ra2p.mode in ("decoupled", "auto"):
-            if self.config.algorithm.get("use_kl_in_reward", False):
-                raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0: the KL term is "
-                                       "deferred to the Actor's backward, so algorithm.use_kl_in_reward must be "
-                                       "false (use actor_rollout_ref.actor.use_kl_loss)"])
+        kl_in_reward = bool(self.config.algorithm.get("use_kl_in_reward", False))
+        if self.tide_config.ra2p.mode == "decoupled" and kl_in_reward:
+            raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0 defers the KL term to "
+                                   "the Actor's backward, so algorithm.use_kl_in_reward must be false (use "
+                                   "actor_rollout_ref.actor.use_kl_loss), or set tide.ra2p.mode to auto | colocated"])
+        if self.tide_config.ra2p.mode == "decoupled" or (self.tide_config.ra2p.mode == "auto" and not kl_in_reward):
             from verl_tide.ra2p.loss import DeferredKLLoss
 
             self._ref_service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
