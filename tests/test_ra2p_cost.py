@@ -140,3 +140,13 @@ def test_ref_ranks_for_decoupled_by_hand():
     assert decoupled_cost(ready, StageTimes(8.0 / 3, 1.0, 2.0, 1.0), 1) == pytest.approx(8 / 3 + 2 + 21)
     assert k == 3
     assert ref_ranks_for_decoupled(ready, lambda k: StageTimes(80.0 / k, 1.0, 2.0, 1.0), col, 8, 4) is None
+
+
+def test_choose_mode_prices_colocated_with_its_own_stage_times():
+    """With Ref on ranks of its own, the colocated alternative runs Ref on the Actor's ranks (slower there)."""
+    ready = [0.0] * 8
+    dec = StageTimes(t_ref=8.0 / 3, t_act_f=1.0, t_act_b=2.0, t_swap=1.0)  # 25.67 s decoupled (hand case above)
+    col_same = choose_mode(ready, dec, 1, 8)  # colocated priced with the Ref ranks' t_ref: 1+21.3+1+24
+    col_own = choose_mode(ready, dec, 1, 8, colocated_times=StageTimes(1.0, 1.0, 2.0, 1.0))  # 34 s
+    assert col_own.colocated_s == 34.0 and col_own.mode is RA2PMode.DECOUPLED
+    assert col_same.colocated_s != col_own.colocated_s

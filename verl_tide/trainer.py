@@ -144,13 +144,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.val_dataloader = EvalMarkedLoader(self.val_dataloader)  # CTB ranks evaluation prompts first
 
     # ---- Ref on ranks of its own (tide.ra2p.ref_ranks) -------------------------------------
-    @property
-    def _own_ref_ranks(self) -> int:
-        return self.tide_config.ra2p.ref_ranks if self.use_reference_policy or self._ref_pool_wanted else 0
-
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        if self._own_ref_ranks:
+        if self._ref_pool_wanted:  # set by _setup before verl builds its worker groups
             # verl's Ref would share the trainer's GPUs; tide's Ref replicas get GPUs of their own instead.
             from verl.trainer.ppo.utils import Role as VerlRole
 

@@ -137,12 +137,15 @@ class ModeChoice:
 
 
 def choose_mode(ready_times: Sequence[float], times: StageTimes, actor_ranks: int, max_aggregate: int,
-                previous: Optional[RA2PMode] = None, hysteresis: float = 0.1) -> ModeChoice:
-    """The cheaper mode; a switch away from `previous` needs a relative gain above `hysteresis`."""
+                previous: Optional[RA2PMode] = None, hysteresis: float = 0.1,
+                colocated_times: Optional[StageTimes] = None) -> ModeChoice:
+    """The cheaper mode; a switch away from `previous` needs a relative gain above `hysteresis`.
+    `colocated_times`: stage times when Ref runs on the Actor's ranks, if they differ from `times`
+    (decoupled Ref ranks of their own)."""
     if not 0 <= hysteresis < 1:
         raise ValueError(f"hysteresis = {hysteresis!r}: must be 0 <= x < 1")
     c_dec = decoupled_cost(ready_times, times, actor_ranks)
-    c_col = colocated_cost(ready_times, times, max_aggregate)
+    c_col = colocated_cost(ready_times, colocated_times or times, max_aggregate)
     best = RA2PMode.DECOUPLED if c_dec < c_col else RA2PMode.COLOCATED
     cost = {RA2PMode.DECOUPLED: c_dec, RA2PMode.COLOCATED: c_col}
     if previous is not None and best is not previous and cost[best] > (1 - hysteresis) * cost[previous]:

@@ -369,17 +369,9 @@ class Simulation:
         if not self.ref_ranks or not self.tracker.last_ready_times:
             return RA2PMode.COLOCATED
         tokens = self._last_tokens_per_mb
-        choice = choose_mode(self.tracker.last_ready_times, self._stage_times(tokens, len(self.ref_ranks)), 1,
-                             self.spec.max_aggregate, previous=self._ra2p_mode,
-                             hysteresis=self.tide_ra2p.hysteresis)
-        # choose_mode's colocated estimate must use the Ref forward on the actor ranks
-        c_col = colocated_cost(self.tracker.last_ready_times, self._stage_times(tokens), self.spec.max_aggregate)
-        best = RA2PMode.DECOUPLED if choice.decoupled_s < c_col else RA2PMode.COLOCATED
-        if best is not self._ra2p_mode:
-            cost = {RA2PMode.DECOUPLED: choice.decoupled_s, RA2PMode.COLOCATED: c_col}
-            if cost[best] > (1 - self.tide_ra2p.hysteresis) * cost[self._ra2p_mode]:
-                return self._ra2p_mode
-        return best
+        return choose_mode(self.tracker.last_ready_times, self._stage_times(tokens, len(self.ref_ranks)), 1,
+                           self.spec.max_aggregate, previous=self._ra2p_mode, hysteresis=self.tide_ra2p.hysteresis,
+                           colocated_times=self._stage_times(tokens)).mode
 
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
