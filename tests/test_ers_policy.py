@@ -156,3 +156,41 @@ def test_no_rank_leaves_rollout_if_the_rest_could_not_feed_the_trainer():
     p.plan(5, cons(4.0), roles(4, 0), ref_ranks_needed=2)
     ok = p.plan(6, cons(4.0), roles(4, 0), ref_ranks_needed=2)
     assert [(m.rank, m.dst) for m in ok.moves] == [(3, Role.REF)]
+
+
+def test_min_ref_ranks_is_a_floor_while_training_that_evaluation_borrows_back():
+    p = policy(min_ref_ranks=1, cooldown_steps=0)
+    first = p.plan(1, signals(), roles(3, 0))  # balanced signals: only the floor moves a rank
+    assert [(m.rank, m.dst) for m in first.moves] == [(2, Role.REF)]
+    assert "tide.ers.min_ref_ranks 1" in first.reason and first.ra2p_mode is RA2PMode.DECOUPLED
+    r = apply(roles(3, 0), first)
+    # a generation deficit does not take the floor's rank back ...
+    for step in (2, 3):
+        held = p.plan(step, signals(gen=True, ready=2), r)
+        assert held.moves == (), held.reason
+    # ... evaluation does (preemptive rollout allocation), and the floor takes it again after
+    evaluation = p.plan(4, signals(), r, phase=Phase.EVAL)
+    assert [(m.rank, m.dst) for m in evaluation.moves] == [(2, Role.ROLLOUT)]
+    r = apply(r, evaluation)
+    again = p.plan(5, signals(), r)
+    assert [(m.rank, m.dst) for m in again.moves] == [(2, Role.REF)]
+
+
+def test_min_ref_ranks_respects_min_rollout_ranks_and_cooldown():
+    p = policy(min_ref_ranks=2, min_rollout_ranks=2, max_moves_per_step=3, cooldown_steps=5)
+    plan = p.plan(1, signals(), roles(3, 0))
+    assert len(plan.moves) == 1  # 3 rollout ranks, 2 must stay
+    r = apply(roles(3, 0), plan)
+    back = p.plan(2, signals(), r, phase=Phase.EVAL)
+    assert back.moves == ()  # the rank moved at step 1 may not move back before step 6
+    assert p.plan(6, signals(), r, phase=Phase.EVAL).moves
+
+
+def test_no_rank_moves_to_ref_without_ref_work():
+    """Without a Ref model (or a Ref pool that takes replicas) a Ref rank would idle: neither a consumption
+    deficit nor min_ref_ranks moves one."""
+    p = policy(min_ref_ranks=1)
+    for step in (1, 2, 3):
+        plan = p.plan(step, signals(cons=True), roles(4, 0), elastic_ref=False)
+        assert plan.moves == ()
+    assert "no Ref work" in plan.reason

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, tide_overrides, \
-    with_overrides
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, spawn_env_service, \
+    tide_overrides, with_overrides
 from verl_tide.testing.tiny_model import write_env_task_parquet
 
 pytestmark = pytest.mark.testbed
@@ -148,6 +148,73 @@ def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_
         # every micro-batch's backward fetched its rows (each sample once per PPO epoch), none left behind
         assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
         assert m["tide/ra2p/ref_service_held"] == 0
+
+
+def test_ers_lends_a_rollout_rank_to_ref_and_takes_it_back_for_evaluation(job, tmp_path_factory):
+    """Two elastic rollout ranks and one fixed Ref rank, KL deferred to the Actor's backward. At step 1's
+    post-update boundary ERS keeps tide.ers.min_ref_ranks=1: rank 1 leaves CTB (its in-flight turns re-sent to
+    rank 0), leaves the weight sync and hosts a second Ref replica in its own bundle, which scores half of
+    step 2's samples. Step 2 is followed by an evaluation (test_freq=2): ERS allocates rollout preemptively,
+    rank 1 stops its Ref replica, gets step 2's weights in the sync and takes tasks again in step 3.
+    The environment is slow (about 2 s a step), so trajectories are still running on rank 1 when it leaves
+    rollout: CTB re-admits them on rank 0. Nothing is lost on the way: every group is accounted for, no Ref
+    row is left unserved."""
+    import signal
+
+    work = tmp_path_factory.mktemp("tide_ers")
+    env_proc, env_service_url = spawn_env_service("--session-timeout", "600", latency_scale=5.0)
+    try:
+        run = _ers_run(job, work, env_service_url)
+    finally:
+        env_proc.send_signal(signal.SIGTERM)
+        env_proc.communicate(timeout=30)
+    _check_ers_run(run, _ers_job(job))
+
+
+def _ers_job(job: GRPOJob) -> GRPOJob:
+    return GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, "n_gpus": 3})
+
+
+def _ers_run(job, work, env_service_url):
+    kl_job = _ers_job(job)
+    overrides = with_overrides(grpo_overrides(kl_job), [
+        *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "+ray_kwargs.ray_init.num_gpus=4",
+        "ray_kwargs.ray_init.num_cpus=24",  # Ray's logical CPUs: each rollout replica's bundle holds 2
+        "tide.ra2p.ref_ranks=1", "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.ers.cooldown_steps=0",
+        "trainer.test_freq=2"])
+    return run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=720)
+
+
+def _check_ers_run(run, kl_job):
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    first, second, third = steps[1], steps[2], steps[3]
+    # step 1: both ranks rolled out, one Ref replica; then rank 1 moved to Ref
+    assert first["tide/ctb/ranks"] == 2 and first["tide/ra2p/ref_replicas_used"] == 1
+    assert first["tide/ers/moves_applied"] == 1 and first["tide/ers/ranks_ref"] == 1, first
+    assert "rank 1 -> ref" in run.output and "tide.ers.min_ref_ranks 1" in run.output
+    # trajectories resident on rank 1 (mostly waiting on the slow environment) were handed back to CTB and
+    # re-admitted on rank 0; requests inside its engine, if any, were aborted and re-sent by verl's client
+    assert second["tide/ctb/tasks_moved_off_removed_ranks"] > 0, second
+    # step 2: CTB routed to rank 0 only; the elastic replica computed Ref beside the fixed one; then it went back
+    assert second["tide/ctb/ranks"] == 1 and second["tide/ra2p/ref_replicas_used"] == 2, second
+    assert second["tide/ers/moves_applied"] == 1 and second["tide/ers/ranks_rollout"] == 2, second
+    assert "eval: generation dominates" in run.output and "rank 1 -> rollout" in run.output
+    # step 3 (last): rank 1 rolls out again (it got step 2's weights); no move is applied after the last step
+    assert third["tide/ctb/ranks"] == 2 and third["tide/ra2p/ref_replicas_used"] == 1, third
+    assert third["tide/ers/moves_applied"] == 0
+    assert third["tide/eval/model_step"] == 2  # the evaluation ran while rank 1 was back in rollout
+    assert abs(first["actor/kl_loss"]) < 1e-6 and third["actor/kl_loss"] > 1e-4
+    for m in steps.values():
+        assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
+        assert m["tide/ra2p/ref_service_held"] == 0
+    assert third["tide/ledger/groups_dropped_failed"] == 0
+    settled = sum(third[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                            "dropped_failed"))
+    assert settled + third["tide/ledger/groups_in_flight"] == third["tide/ledger/groups_submitted"]
+    assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):

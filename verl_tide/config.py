@@ -135,6 +135,10 @@ class ERSConfig:
     max_ref_ranks: Optional[int] = field(
         default=None, metadata=_check(lambda x: x >= 0, ">= 0 or null (no cap)", "Ref ranks ERS may create")
     )
+    min_ref_ranks: int = field(
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0",
+                                   "elastic ranks kept as Ref while training (evaluation borrows them back)")
+    )
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,11 @@ def _check_cross_fields(cfg: TideConfig, prefix: str, problems: list[str]) -> No
         problems.append(
             f"{prefix}.ers.min_batch = {ers.min_batch}: must be <= {prefix}.ers.ideal_batch "
             f"(= {ers.ideal_batch}); B_min <= B_ideal"
+        )
+    if ers.max_ref_ranks is not None and ers.min_ref_ranks > ers.max_ref_ranks:
+        problems.append(
+            f"{prefix}.ers.min_ref_ranks = {ers.min_ref_ranks}: must be <= {prefix}.ers.max_ref_ranks "
+            f"(= {ers.max_ref_ranks})"
         )
 
 

@@ -22,8 +22,11 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
 - Ref on ranks of its own (`tide.ra2p.ref_ranks`, `ra2p/ref_workers.py`) instead of verl's Ref on the
   trainer's GPUs; with `tide.ra2p.mode=decoupled` the KL term is deferred to the Actor's backward.
 
-Not yet (README "Limits"): ranks do not move between roles (the ERS plan is computed and logged,
-not applied); RA2P's mode is not switched per step inside the trainer; no colocated aggregation.
+- elastic ranks (`ers/elastic.py`): with tide's Ref pool, ERS's plan is applied at the post-update
+  boundary, before the weight sync; a rollout rank hosts a Ref replica and comes back.
+
+Not yet (README "Limits"): RA2P's mode is not switched per step inside the trainer; no colocated
+aggregation; elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from verl.workers.rollout.utils import update_prometheus_config
 
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.config import TideConfigError
-from verl_tide.ers.policy import ERSPolicy, Role
+from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
@@ -122,6 +125,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
+        self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
+        self._last_signals: Any = None
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
@@ -235,6 +240,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if timing["tokens"] > 0:  # measured on the Ref workers: RA2P's t_ref per token
             self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
             metrics["tide/ra2p/ref_worker_s"] = timing["seconds"]
+            metrics["tide/ra2p/ref_replicas_used"] = timing["replicas"]
 
     def _validation_buffer(self) -> ReplayBufferAsync:
         """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
@@ -299,8 +305,32 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.current_mode = HybridEngineMode.TRAINER
         self._warn_about_stock_agent_loops()
         self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(self.standalone_server_manager.get_replicas()))}
+        if self.ref_pool is not None and self.tide_config.ers.enabled:
+            from verl_tide.ers.elastic import ElasticRanks
+
+            self.elastic = ElasticRanks(
+                self.standalone_server_manager.get_replicas(), self.standalone_server_manager.global_load_balancer,
+                self.standalone_checkpoint_manager, self.ref_pool, self._elastic_ref_options)
+        elif self.tide_config.ers.enabled and self.tide_config.ers.min_ref_ranks > 0:
+            raise TideConfigError([f"tide.ers.min_ref_ranks = {self.tide_config.ers.min_ref_ranks}: an elastic Ref "
+                                   "rank joins tide's Ref pool, which needs tide.ra2p.ref_ranks >= 1 and a Ref model "
+                                   "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward)"])
         self._restore_ctb_and_roles()
         self._start_metrics_server()
+
+    @staticmethod
+    def _elastic_ref_options(replica: Any) -> dict[str, Any]:
+        """Where an elastic Ref replica runs: the rollout replica's first placement-group bundle (its GPU),
+        taking the device share verl's rollout worker leaves free there (1 / max_colocate_count)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from verl.plugin.platform import get_platform
+
+        pool = replica.resource_pool
+        share = 1.0 / pool.max_colocate_count
+        pg = pool.get_placement_groups()[0]
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                        placement_group_bundle_index=0),
+                "num_cpus": 0, **get_platform().ray_resource_options(share)}
 
     def _warn_about_stock_agent_loops(self) -> None:
         from verl_tide.ctb.agent_loops import STOCK_TO_TIDE
@@ -380,9 +410,16 @@ class TideTrainer(PPOTrainerSeparateAsync):
             n = len(state["scheduler"]["group_probe"])
             print(f"verl-tide: CTB state restored ({state['scheduler']['counters']['admissions']} admissions so "
                   f"far, first-turn footprints of {n} groups)", flush=True)
-        for rank, role in self._restored_roles.items():
-            if rank in self.rollout_roles:
-                self.rollout_roles[rank] = role
+        # Replicas start as rollout; ranks that were Ref when the checkpoint was taken switch again.
+        moves = [RankMove(rank, Role.ROLLOUT, Role.REF) for rank, role in sorted(self._restored_roles.items())
+                 if role is Role.REF and rank in self.rollout_roles]
+        if moves and self.elastic is None:
+            print(f"verl-tide WARNING: the checkpoint had {len(moves)} elastic Ref rank(s), this job has no Ref pool "
+                  "(tide.ra2p.ref_ranks = 0 or ERS off): every rank starts as rollout", flush=True)
+        elif moves:
+            for applied in self.elastic.before_sync(moves):
+                self.rollout_roles[applied.rank] = Role.REF
+            print(f"verl-tide: ranks {[m.rank for m in moves]} resume in the Ref role", flush=True)
 
     # ---- the loop's hooks ----------------------------------------------------------------
     def _submit_batch_to_rollout(self, batch) -> int:
@@ -438,14 +475,20 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.trainer_waited(self.clock() - self._sample_started)
 
     def on_step_end(self):
+        """The post-update boundary: the step's readiness is final, ERS plans and moves ranks, then the sync."""
         self._check_rollout_ranks()  # a dead rank must not stall the weight sync
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
+        self.readiness.step_finished()
+        step_metrics, plan = self._scaling_plan()
+        step_metrics.update(self._apply_plan(plan))
         sync_start = self.clock()
         self._sync_weights()
+        # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
-        self.readiness.step_finished()
-        self._pending_sync_metrics.update(self._tide_step_metrics())
+        if self.elastic is not None:
+            self.elastic.after_sync()
+        self._pending_sync_metrics.update(step_metrics)
         self._pending_sync_metrics.update(eval_metrics)
         if eval_metrics and self.tide_metrics is not None:
             self.tide_metrics.update_from_eval(eval_metrics)
@@ -491,7 +534,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # by verl only when it offloads); 0 when both stay resident, as on the test bed.
         self.stage_timer.observe("swap", 0, t.get("ref_swap", 0.0))
 
-    def _tide_step_metrics(self) -> dict[str, Any]:
+    def _scaling_plan(self) -> tuple[dict[str, Any], Any]:
+        """This step's metrics and ERS's plan for the next one (RA2P's mode choice feeds it)."""
         step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
         self._observe_stage_times(step_tokens)
         m: dict[str, Any] = self.ledger.snapshot()
@@ -512,12 +556,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
             if tprm:
                 break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
             # k Ref ranks take the Ref forward the n_actor ranks did: t_ref scales by n_actor / k
-            ref_needed = ref_ranks_for_decoupled(
+            needed = ref_ranks_for_decoupled(
                 ready_times, lambda k: dataclasses.replace(times, t_ref=times.t_ref * n_actor / k), times,
-                len(ready_times), max_ref_ranks=max(1, len(self.rollout_roles)))
+                len(ready_times), max_ref_ranks=max(1, len(self.rollout_roles) + self.tide_config.ra2p.ref_ranks))
+            if needed is not None:  # elastic Ref ranks needed beside the fixed ones
+                ref_needed = max(0, needed - self.tide_config.ra2p.ref_ranks)
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
-        plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, ref_ranks_needed=ref_needed)
+        plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, phase=self._ers_phase(),
+                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None)
         m.update({
             "tide/readiness/ready_at_start": float(signals.ready_at_start),
             "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),
@@ -525,8 +572,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/readiness/ready_volume": float(signals.ready_volume),
             "tide/readiness/rwt_s": float(signals.rollout_wait_s),
             "tide/readiness/twt_s": float(signals.trainer_wait_s),
-            "tide/ers/ranks_rollout": float(sum(r is Role.ROLLOUT for r in self.rollout_roles.values())),
-            "tide/ers/ranks_ref": float(sum(r is Role.REF for r in self.rollout_roles.values())),
             "tide/rollout/ranks_quarantined": float(len(self.quarantined)),
             "tide/ers/planned_moves": float(len(plan.moves)),
             "tide/ers/elastic_batch": float(plan.batch_size),
@@ -534,10 +579,48 @@ class TideTrainer(PPOTrainerSeparateAsync):
         })
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
-        print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} (not applied: elastic ranks are not "
-              f"built yet); RA2P: {self._ra2p_text()}; ledger: {self._ledger_text()}", flush=True)
+        self._last_signals = signals
+        return m, plan
+
+    def _ers_phase(self) -> Phase:
+        """Evaluation starts after this step's sync and runs during the next step's rollout: ERS allocates
+        rollout for it ahead of time (preemptive rollout allocation)."""
+        freq = int(self.config.trainer.test_freq)
+        last = self.global_steps >= self.total_training_steps
+        if self.overlapped_eval is not None and freq > 0 and self.global_steps % freq == 0 and not last:
+            return Phase.EVAL
+        return Phase.TRAIN
+
+    def _apply_plan(self, plan) -> dict[str, Any]:
+        """Move the plan's ranks (before the weight sync) and report roles after it."""
+        last = self.global_steps >= self.total_training_steps
+        applied = []
+        if plan.moves and self.elastic is not None and not last:
+            applied = self.elastic.before_sync(plan.moves)
+            for move in applied:
+                self.rollout_roles[move.rank] = move.dst
+        if applied:
+            how = "; ".join(f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} requests re-sent)"
+                            for a in applied)
+            note = f"applied: {how}"
+        elif plan.moves:
+            self.ers.cancel(plan)
+            note = "not applied: last step" if last else "not applied: no elastic ranks (no Ref pool)"
+        else:
+            note = "nothing to move"
+        print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({note}); RA2P: {self._ra2p_text()}; "
+              f"ledger: {self._ledger_text()}", flush=True)
+        m = {
+            "tide/ers/moves_applied": float(len(applied)),
+            "tide/ers/ranks_rollout": float(sum(r is Role.ROLLOUT for r in self.rollout_roles.values())),
+            "tide/ers/ranks_ref": float(sum(r is Role.REF for r in self.rollout_roles.values())),
+            "tide/ers/switch_s": float(sum(a.seconds for a in applied)),
+            "tide/ers/requests_resent": float(sum(a.requests_resent for a in applied)),
+        }
+        if self.ref_pool is not None:
+            m["tide/ra2p/ref_replicas"] = float(len(self.ref_pool.replicas))
         if self.tide_metrics is not None:
-            self.tide_metrics.update_from_ers(plan, signals, self.rollout_roles)
+            self.tide_metrics.update_from_ers(plan, self._last_signals, self.rollout_roles)
             self.tide_metrics.update_from_ledger(self.ledger)
         return m
 
@@ -557,6 +640,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.tide_metrics.update_from_ctb_status(ctb["ranks"], ctb["tasks"], ctb)
         m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}
         m.update({f"tide/ctb/tasks_{state}": float(n) for state, n in ctb["tasks"].items()})
+        m["tide/ctb/ranks"] = float(len(ctb["ranks"]))
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
         return m
@@ -590,7 +674,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
         if self.ra2p_mode is None:
             return "measuring stage times"
-        return f"{self.ra2p_mode.value} (chosen; Ref still runs in verl's sequential path)"
+        if self.ref_pool is None:
+            return f"{self.ra2p_mode.value} (chosen; Ref runs in verl's sequential path)"
+        return f"{self.ra2p_mode.value} (chosen; {len(self.ref_pool.replicas)} Ref replica(s))"
 
     def _ledger_text(self) -> str:
         l = self.ledger

@@ -64,7 +64,8 @@ class CTBLoadBalancer:
         self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
         self._env_sessions: dict[str, tuple[str, str]] = {}  # request id -> (env service URL, session id)
         self._env_clients: dict[str, Any] = {}
-        self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0, "quarantined": 0})
+        self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0, "quarantined": 0,
+                              "tasks_moved_off_removed_ranks": 0})
         self.quarantined: dict[str, str] = {}  # server id -> why
         self._assigned: dict[str, str] = {}  # request id -> the rank of its latest turn
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
@@ -165,7 +166,8 @@ class CTBLoadBalancer:
     def remove_servers(self, server_ids: list[str]) -> None:
         for sid in server_ids:
             if sid in self.servers:
-                self.gate.remove_rank(sid)  # its tasks are re-dispatched elsewhere, none lost
+                moved = self.gate.remove_rank(sid)  # its tasks are re-dispatched elsewhere, none lost
+                self.counters["tasks_moved_off_removed_ranks"] += len(moved)
                 self.servers.pop(sid)
                 self.inflight.pop(sid)
         self.bypassed = {r: s for r, s in self.bypassed.items() if s in self.servers}

@@ -70,19 +70,31 @@ class ERSPolicy:
         return max(self.min_batch, min(ready_volume, self.ideal_batch))
 
     def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
-             phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None) -> ScalingPlan:
+             phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None,
+             elastic_ref: bool = True) -> ScalingPlan:
         """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has decoupled mode beat colocated for
         the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown. Ranks move to
-        Ref only while that many can be reached without making rollout the bottleneck."""
+        Ref only while that many can be reached without making rollout the bottleneck.
+        `elastic_ref`: whether a rank moved to Ref would have Ref work (a Ref model and a Ref pool that
+        takes replicas); without it no rank moves to Ref."""
         batch = self.elastic_batch(signals.ready_volume)
         if not self.config.enabled:
             return self._hold(step, roles, batch, "ERS disabled")
         if phase is not Phase.TRAIN:
-            # Preemptive rollout allocation: do not wait for RAS/TPRM to show starvation.
+            # Preemptive rollout allocation: do not wait for RAS/TPRM to show starvation; evaluation
+            # borrows even the min_ref_ranks back.
             self._streak = (None, 0)
-            moves = self._moves(step, roles, Role.REF, Role.ROLLOUT)
+            moves = self._moves(step, roles, Role.REF, Role.ROLLOUT, keep_ref=0)
             return self._finish(step, moves, RA2PMode.COLOCATED, batch, False,
                                 f"{phase.value}: generation dominates, preemptively maximize rollout")
+        n_ref = sum(1 for r in roles.values() if r is Role.REF)
+        if elastic_ref and n_ref < self.config.min_ref_ranks:
+            moves = self._moves(step, roles, Role.ROLLOUT, Role.REF)
+            if moves:
+                self._streak = (None, 0)
+                return self._finish(step, moves, RA2PMode.DECOUPLED, batch, True,
+                                    f"{n_ref} Ref rank(s) < tide.ers.min_ref_ranks {self.config.min_ref_ranks}; "
+                                    f"move {len(moves)} rollout -> ref")
         if signals.generation_deficit and not signals.consumption_deficit:
             want, mode = Role.ROLLOUT, RA2PMode.COLOCATED
             why = f"generation deficit: {signals.ready_volume} ready < B_ideal {self.ideal_batch}"
@@ -94,6 +106,11 @@ class ERSPolicy:
             self._streak = (None, 0)
             state = "both deficits" if signals.generation_deficit else "balanced"
             return self._hold(step, roles, batch, f"{state}: no move")
+        if want is Role.REF and not elastic_ref:
+            self._streak = (None, 0)
+            return self._finish(step, (), mode, batch, False,
+                                f"{why}; no move: a Ref rank would have no Ref work (no Ref model, or "
+                                "tide.ra2p.ref_ranks = 0)")
         dest, count = self._streak
         self._streak = (want, count + 1 if dest is want else 1)
         if self._streak[1] < self.confirm_steps:
@@ -136,6 +153,12 @@ class ERSPolicy:
                     f"(with {n_ref} already Ref)")
         return ""
 
+    def cancel(self, plan: ScalingPlan) -> None:
+        """The plan's moves were not carried out (the job ends, or no rank can host Ref): no cooldown from them."""
+        for m in plan.moves:
+            if self._last_moved.get(m.rank) == (plan.step, m.src):
+                del self._last_moved[m.rank]
+
     def _hold(self, step: int, roles: Mapping[int, Role], batch: int, reason: str) -> ScalingPlan:
         mode = RA2PMode.DECOUPLED if any(r is Role.REF for r in roles.values()) else RA2PMode.COLOCATED
         return ScalingPlan(step, (), mode, batch, False, reason)
@@ -148,7 +171,8 @@ class ERSPolicy:
             self._streak = (None, 0)
         return ScalingPlan(step, moves, mode, batch, retain, reason)
 
-    def _moves(self, step: int, roles: Mapping[int, Role], src: Role, dst: Role) -> tuple[RankMove, ...]:
+    def _moves(self, step: int, roles: Mapping[int, Role], src: Role, dst: Role,
+               keep_ref: Optional[int] = None) -> tuple[RankMove, ...]:
         n_rollout = sum(1 for r in roles.values() if r is Role.ROLLOUT)
         n_ref = len(roles) - n_rollout
         if src is Role.ROLLOUT:
@@ -156,7 +180,7 @@ class ERSPolicy:
             if self.config.max_ref_ranks is not None:
                 budget = min(budget, self.config.max_ref_ranks - n_ref)
         else:
-            budget = n_ref
+            budget = n_ref - (self.config.min_ref_ranks if keep_ref is None else keep_ref)
         budget = min(budget, self.config.max_moves_per_step)
         moves: list[RankMove] = []
         for rank in sorted(roles, reverse=src is Role.ROLLOUT):  # highest rollout ranks leave first

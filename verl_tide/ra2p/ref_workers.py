@@ -162,22 +162,44 @@ class RefReplica:
 
 
 class RefPool:
-    """N Ref replicas; a batch is split into contiguous shares, one per replica, computed in parallel."""
+    """Ref replicas; a batch is split into contiguous shares, one per replica, computed in parallel.
+
+    `replicas` on GPUs of their own (`tide.ra2p.ref_ranks`), plus any elastic ones ERS adds on a rollout
+    rank's GPU (`add_replica`) and takes away again (`remove_replica`) at the weight-sync boundary."""
 
     def __init__(self, model_path: str, replicas: int, num_gpus: float = 1.0, dtype: str = "float32",
                  trust_remote_code: bool = False):
         if replicas < 1:
             raise ValueError(f"tide.ra2p.ref_ranks = {replicas}: a Ref pool needs >= 1 replica")
         parse_dtype(dtype)  # a bad name fails here, in the driver, not in every replica
+        self._args = (model_path, dtype, trust_remote_code)
         actor = ray.remote(num_gpus=num_gpus)(RefReplica)
-        self.replicas = [actor.remote(model_path, dtype, trust_remote_code) for _ in range(replicas)]
+        self._pool: dict[Any, Any] = {("fixed", i): actor.remote(*self._args) for i in range(replicas)}
+
+    @property
+    def replicas(self) -> list:
+        return list(self._pool.values())
+
+    def add_replica(self, key: Any, options: dict[str, Any]) -> None:
+        """One more replica, placed by Ray `options` (an elastic rank: the rollout replica's placement-group
+        bundle and its spare device share). It loads the Ref model while the weight sync runs; the first
+        `compute` on it waits for that."""
+        if key in self._pool:
+            raise ValueError(f"Ref replica {key!r} already exists")
+        self._pool[key] = ray.remote(RefReplica).options(**options).remote(*self._args)
+
+    def remove_replica(self, key: Any) -> None:
+        """Stop an elastic replica and free its device memory (its rank goes back to rollout)."""
+        replica = self._pool.pop(key)
+        ray.kill(replica)
 
     def start(self, keys: list[str], partition_id: str, temperature: float, sample_ids: Optional[list[int]] = None,
               service_name: Optional[str] = None) -> list:
         """Score every key (contiguous shares, one per replica); returns the replicas' pending results."""
-        n = len(self.replicas)
+        replicas = self.replicas
+        n = len(replicas)
         refs = []
-        for i, replica in enumerate(self.replicas):
+        for i, replica in enumerate(replicas):
             lo, hi = i * len(keys) // n, (i + 1) * len(keys) // n
             if hi > lo:
                 ids = None if sample_ids is None else sample_ids[lo:hi]
@@ -188,7 +210,8 @@ class RefPool:
     def finish(pending: list, timeout_s: Optional[float] = None) -> dict[str, float]:
         """The summed tokens and the slowest replica's seconds (the stage's wall time)."""
         results = ray.get(pending, timeout=timeout_s)
-        return {"tokens": sum(r["tokens"] for r in results), "seconds": max((r["seconds"] for r in results), default=0.0)}
+        return {"tokens": sum(r["tokens"] for r in results), "seconds": max((r["seconds"] for r in results), default=0.0),
+                "replicas": float(len(results))}
 
     def compute(self, keys: list[str], partition_id: str, temperature: float,
                 timeout_s: Optional[float] = None) -> dict[str, float]:
@@ -198,3 +221,4 @@ class RefPool:
     def shutdown(self) -> None:
         for r in self.replicas:
             ray.kill(r)
+        self._pool.clear()

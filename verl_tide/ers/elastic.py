@@ -1,0 +1,96 @@
+"""ERS's elastic ranks: a rollout rank lends its GPU to a Ref replica and takes it back, at the
+weight-sync boundary (paper Sec. 5.2).
+
+verl's rollout replicas are built once and only ever leave routing by verl's hybrid switch. An
+elastic rank here is one standalone rollout replica's GPU, which hosts either that replica's
+engine (role rollout) or a Ref replica of trainer `tide`'s Ref pool (role Ref), never both at work:
+
+- Rollout -> Ref (before the sync): the rank leaves the load balancer (CTB hands its tasks back and
+  re-admits them on other ranks), its in-flight requests are aborted with the gate rejecting
+  (verl's partial-rollout client re-sends each one, prompt plus tokens so far, to another rank: a
+  fresh prefill there, no task or token lost), it leaves the checkpoint manager (no more weight
+  syncs, its weights go stale), its KV cache is released, and a Ref replica starts in the replica's
+  own placement-group bundle, loading the Ref model while the sync runs.
+- Ref -> Rollout (before the sync): the Ref replica is stopped (its memory freed), the engine's KV
+  cache is restored and the replica rejoins the checkpoint manager, so the sync that follows pushes
+  the current weights to it and reopens its gate; after the sync it rejoins the load balancer.
+
+Mechanism layer: Ray only (verl objects are used through their documented methods).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from verl_tide.ers.policy import RankMove, Role
+
+
+@dataclass(frozen=True)
+class AppliedMove:
+    rank: int
+    dst: Role
+    seconds: float  # driver-side time of the switch, before the sync (the Ref model loads during the sync)
+    requests_resent: int = 0  # in-flight requests aborted on a rank leaving rollout, re-sent to other ranks
+
+
+class ElasticRanks:
+    """Applies ERS plans to the standalone rollout replicas (`replicas[rank]`) and a `RefPool`."""
+
+    def __init__(self, replicas: Sequence[Any], balancer: Any, checkpoint_manager: Any, ref_pool: Any,
+                 ref_options: Callable[[Any], dict[str, Any]], timeout_s: float = 120.0):
+        self.replicas = list(replicas)
+        self.balancer = balancer
+        self.checkpoint_manager = checkpoint_manager
+        self.ref_pool = ref_pool
+        self.ref_options = ref_options
+        self.timeout_s = timeout_s
+        self._rejoin: list[int] = []
+        self.applied: list[AppliedMove] = []  # every switch so far, in order
+
+    @staticmethod
+    def ref_key(rank: int) -> tuple[str, int]:
+        return ("elastic", rank)
+
+    def before_sync(self, moves: Sequence[RankMove]) -> list[AppliedMove]:
+        """Switch the moved ranks; returns what was done. Call after the actor update, before the weight sync."""
+        done = []
+        for move in moves:
+            start = time.perf_counter()
+            resent = 0
+            if move.dst is Role.REF:
+                resent = self._rollout_to_ref(move.rank)
+            else:
+                self._ref_to_rollout(move.rank)
+            done.append(AppliedMove(move.rank, move.dst, time.perf_counter() - start, resent))
+        self.applied.extend(done)
+        return done
+
+    def after_sync(self) -> None:
+        """Ranks back from Ref hold the new weights now: they take tasks again."""
+        if not self._rejoin:
+            return
+        servers = {self.replicas[r].server_address: self.replicas[r].server_handle for r in self._rejoin}
+        ray.get(self.balancer.add_servers.remote(servers), timeout=self.timeout_s)
+        self._rejoin = []
+
+    def _rollout_to_ref(self, rank: int) -> int:
+        replica = self.replicas[rank]
+        ray.get(self.balancer.remove_servers.remote([replica.server_address]), timeout=self.timeout_s)
+        aborted = ray.get([s.abort_all_requests.remote(reject_request=True) for s in replica.servers],
+                          timeout=self.timeout_s)
+        self.checkpoint_manager.remove_replicas([replica])
+        ray.get([s.release_kv_cache.remote() for s in replica.servers], timeout=self.timeout_s)
+        self.ref_pool.add_replica(self.ref_key(rank), self.ref_options(replica))
+        return sum(int((a or {}).get("aborted_count", 0)) for a in aborted)
+
+    def _ref_to_rollout(self, rank: int) -> None:
+        replica = self.replicas[rank]
+        self.ref_pool.remove_replica(self.ref_key(rank))
+        ray.get([s.resume_kv_cache.remote() for s in replica.servers], timeout=self.timeout_s)
+        self.checkpoint_manager.add_replicas([replica])
+        self._rejoin.append(rank)
