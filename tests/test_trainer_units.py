@@ -41,3 +41,50 @@ def test_an_actor_error_that_is_not_a_dead_rollout_rank_is_not_swallowed(monkeyp
     with pytest.raises(ray.exceptions.ActorDiedError):
         trainer._sync_weights()
     assert calls == [0]
+
+
+class _RecordingElastic:
+    """Stands in for ERS's elastic ranks (ers/elastic.py, run for real in the e2e test): records moves."""
+
+    def __init__(self):
+        self.moves = []
+
+    def before_sync(self, moves):
+        from verl_tide.ers.elastic import AppliedMove
+
+        self.moves.extend(moves)
+        return [AppliedMove(m.rank, m.dst, 0.0) for m in moves]
+
+
+def _resumed_trainer(restored: dict, elastic):
+    from types import SimpleNamespace
+
+    from verl_tide.ers.policy import Role
+    from verl_tide.trainer import TideTrainer
+
+    trainer = TideTrainer.__new__(TideTrainer)
+    trainer.tide_config = SimpleNamespace(ctb=SimpleNamespace(enabled=False))
+    trainer._restored_ctb_state = None
+    trainer._restored_roles = restored
+    trainer.rollout_roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
+    trainer.elastic = elastic
+    return trainer
+
+
+def test_ranks_that_were_ref_at_the_checkpoint_switch_to_ref_again_on_resume():
+    from verl_tide.ers.policy import Role
+
+    elastic = _RecordingElastic()
+    trainer = _resumed_trainer({0: Role.ROLLOUT, 2: Role.REF, 7: Role.REF}, elastic)  # rank 7 no longer exists
+    trainer._restore_ctb_and_roles()
+    assert [(m.rank, m.src, m.dst) for m in elastic.moves] == [(2, Role.ROLLOUT, Role.REF)]
+    assert trainer.rollout_roles == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
+
+
+def test_without_a_ref_pool_restored_ref_roles_start_as_rollout_with_a_warning(capsys):
+    from verl_tide.ers.policy import Role
+
+    trainer = _resumed_trainer({1: Role.REF}, None)
+    trainer._restore_ctb_and_roles()
+    assert all(r is Role.ROLLOUT for r in trainer.rollout_roles.values())
+    assert "every rank starts as rollout" in capsys.readouterr().out

@@ -311,6 +311,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.elastic = ElasticRanks(
                 self.standalone_server_manager.get_replicas(), self.standalone_server_manager.global_load_balancer,
                 self.standalone_checkpoint_manager, self.ref_pool, self._elastic_ref_options)
+            if not rollout_config.free_cache_engine:
+                print("verl-tide: elastic ranks on; actor_rollout_ref.rollout.free_cache_engine = false keeps a Ref-role "
+                      "rank's KV cache allocated beside its Ref replica (set it true on GPUs)", flush=True)
         elif self.tide_config.ers.enabled and self.tide_config.ers.min_ref_ranks > 0:
             raise TideConfigError([f"tide.ers.min_ref_ranks = {self.tide_config.ers.min_ref_ranks}: an elastic Ref "
                                    "rank joins tide's Ref pool, which needs tide.ra2p.ref_ranks >= 1 and a Ref model "
