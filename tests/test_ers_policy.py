@@ -194,3 +194,17 @@ def test_no_rank_moves_to_ref_without_ref_work():
         plan = p.plan(step, signals(cons=True), roles(4, 0), elastic_ref=False)
         assert plan.moves == ()
     assert "no Ref work" in plan.reason
+
+
+def test_ref_floor_keeps_the_last_ref_rank_when_ref_has_no_ranks_of_its_own():
+    """tide.ra2p.ref_ranks = 0: Ref runs on elastic ranks only, so neither evaluation nor a generation
+    deficit takes the last one back."""
+    p = policy(cooldown_steps=0)
+    r = roles(2, 2)
+    evaluation = p.plan(1, signals(), r, phase=Phase.EVAL, ref_floor=1)
+    assert len(evaluation.moves) == 1
+    r = apply(r, evaluation)
+    assert p.plan(2, signals(), r, phase=Phase.EVAL, ref_floor=1).moves == ()
+    for step in (3, 4, 5):
+        assert p.plan(step, signals(gen=True, ready=2), r, ref_floor=1).moves == ()
+    assert p.plan(6, signals(), r, phase=Phase.EVAL, ref_floor=0).moves  # with Ref ranks of its own it may go

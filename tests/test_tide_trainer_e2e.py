@@ -217,6 +217,32 @@ def _check_ers_run(run, kl_job):
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
+def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_service_url, tmp_path_factory):
+    """tide.ra2p.ref_ranks=0 with tide.ers.min_ref_ranks=1: no GPU is set aside for Ref; rank 1 of the two
+    rollout ranks hosts the Ref replica from the start and rank 0 does all the rollout."""
+    work = tmp_path_factory.mktemp("tide_ers_only")
+    kl_job = GRPOJob(**{**_ers_job(job).__dict__, "steps": 2})
+    overrides = with_overrides(grpo_overrides(kl_job), [
+        *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
+        "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=600)
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == [1, 2], run.output[-3000:]
+    assert "Ref runs on elastic ranks only (tide.ra2p.ref_ranks = 0): rank(s) [1] start as Ref" in run.output
+    for m in steps.values():
+        assert m["tide/ctb/ranks"] == 1 and m["tide/ra2p/ref_replicas_used"] == 1, m
+        assert m["tide/ers/ranks_ref"] == 1 and m["tide/ers/ranks_rollout"] == 1
+        assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
+    assert abs(steps[1]["actor/kl_loss"]) < 1e-6 and steps[2]["actor/kl_loss"] > 0
+    last = steps[2]
+    settled = sum(last[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                           "dropped_failed"))
+    assert settled + last["tide/ledger/groups_in_flight"] == last["tide/ledger/groups_submitted"]
+    assert last["tide/ledger/groups_consumed"] == 2 * kl_job.train_batch_size
+
+
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_bad_layout")
     single = GRPOJob(**{**job.__dict__, "n_gpus": 1, "ppo_mini_batch_size": None})

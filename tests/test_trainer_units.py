@@ -55,6 +55,10 @@ class _RecordingElastic:
         self.moves.extend(moves)
         return [AppliedMove(m.rank, m.dst, 0.0) for m in moves]
 
+    def after_sync(self):
+        self.moves.append("after_sync")
+        return 0.0
+
 
 def _resumed_trainer(restored: dict, elastic):
     from types import SimpleNamespace
@@ -77,7 +81,8 @@ def test_ranks_that_were_ref_at_the_checkpoint_switch_to_ref_again_on_resume():
     elastic = _RecordingElastic()
     trainer = _resumed_trainer({0: Role.ROLLOUT, 2: Role.REF, 7: Role.REF}, elastic)  # rank 7 no longer exists
     trainer._restore_ctb_and_roles()
-    assert [(m.rank, m.src, m.dst) for m in elastic.moves] == [(2, Role.ROLLOUT, Role.REF)]
+    assert [(m.rank, m.src, m.dst) for m in elastic.moves[:-1]] == [(2, Role.ROLLOUT, Role.REF)]
+    assert elastic.moves[-1] == "after_sync"  # step 1 waits until the replica is placed and loaded
     assert trainer.rollout_roles == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
 
 

@@ -26,7 +26,8 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
   boundary, before the weight sync; a rollout rank hosts a Ref replica and comes back.
 
 Not yet (README "Limits"): RA2P's mode is not switched per step inside the trainer; no colocated
-aggregation; elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`).
+aggregation; elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`, or `tide.ers.min_ref_ranks >= 1`
+for Ref on elastic ranks only).
 """
 
 from __future__ import annotations
@@ -183,8 +184,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
             self.actor_rollout_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self._ref_service_name)))
             how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
-        print(f"verl-tide: {self.tide_config.ra2p.ref_ranks} Ref replica(s) on GPUs of their own (RA2P decoupled "
-              f"placement; {how}); verl's Ref worker is not built", flush=True)
+        where = (f"{self.tide_config.ra2p.ref_ranks} Ref replica(s) on GPUs of their own" if self.tide_config.ra2p.ref_ranks
+                 else "Ref replicas on elastic ranks only")
+        print(f"verl-tide: {where} (RA2P decoupled placement; {how}); verl's Ref worker is not built", flush=True)
 
     def _compute_old_log_prob(self, batch, metrics: dict):
         """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap."""
@@ -284,7 +286,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _setup(self):
         # With tide's own Ref replicas, verl must not build its Ref worker group; the flag goes back on after,
         # so verl's step still asks for ref log-probs (answered by `_compute_ref_log_prob` below).
-        self._ref_pool_wanted = bool(self.use_reference_policy and self.tide_config.ra2p.ref_ranks)
+        ers, ref_ranks = self.tide_config.ers, self.tide_config.ra2p.ref_ranks
+        elastic_ref_only = ers.enabled and ers.min_ref_ranks > 0 and ref_ranks == 0
+        if ers.enabled and ers.min_ref_ranks > 0 and not self.use_reference_policy:
+            raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: needs a Ref model "
+                                   "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward); set it to 0"])
+        self._ref_pool_wanted = bool(self.use_reference_policy and (ref_ranks or elastic_ref_only))
         if self._ref_pool_wanted:
             self.use_reference_policy = False
         PPOTrainer._setup(self)  # actor (and Ref) worker groups, reward loop, no colocated rollout
@@ -314,12 +321,29 @@ class TideTrainer(PPOTrainerSeparateAsync):
             if not rollout_config.free_cache_engine:
                 print("verl-tide: elastic ranks on; actor_rollout_ref.rollout.free_cache_engine = false keeps a Ref-role "
                       "rank's KV cache allocated beside its Ref replica (set it true on GPUs)", flush=True)
-        elif self.tide_config.ers.enabled and self.tide_config.ers.min_ref_ranks > 0:
-            raise TideConfigError([f"tide.ers.min_ref_ranks = {self.tide_config.ers.min_ref_ranks}: an elastic Ref "
-                                   "rank joins tide's Ref pool, which needs tide.ra2p.ref_ranks >= 1 and a Ref model "
-                                   "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward)"])
         self._restore_ctb_and_roles()
+        self._start_elastic_ref_ranks()
         self._start_metrics_server()
+
+    def _start_elastic_ref_ranks(self) -> None:
+        """With no Ref ranks of its own (tide.ra2p.ref_ranks = 0), Ref runs on elastic ranks only: the highest
+        tide.ers.min_ref_ranks rollout ranks start as Ref, so step 1 has a Ref replica."""
+        if self.elastic is None or self.tide_config.ra2p.ref_ranks > 0:
+            return
+        ers = self.tide_config.ers
+        roles = self.rollout_roles
+        missing = ers.min_ref_ranks - sum(r is Role.REF for r in roles.values())
+        rollout = [r for r in sorted(roles, reverse=True) if roles[r] is Role.ROLLOUT]
+        if len(rollout) - max(missing, 0) < ers.min_rollout_ranks:
+            raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: with tide.ra2p.ref_ranks = 0 Ref "
+                                   f"runs on elastic ranks, and {len(roles)} rollout rank(s) cannot give that many while "
+                                   f"keeping tide.ers.min_rollout_ranks = {ers.min_rollout_ranks}"])
+        moves = [RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:max(missing, 0)]]
+        for applied in self.elastic.before_sync(moves):
+            roles[applied.rank] = Role.REF
+        self.elastic.after_sync()  # step 1 needs the replica
+        print(f"verl-tide: Ref runs on elastic ranks only (tide.ra2p.ref_ranks = 0): rank(s) "
+              f"{sorted(r for r, role in roles.items() if role is Role.REF)} start as Ref", flush=True)
 
     @staticmethod
     def _elastic_ref_options(replica: Any) -> dict[str, Any]:
@@ -422,6 +446,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         elif moves:
             for applied in self.elastic.before_sync(moves):
                 self.rollout_roles[applied.rank] = Role.REF
+            self.elastic.after_sync()
             print(f"verl-tide: ranks {[m.rank for m in moves]} resume in the Ref role", flush=True)
 
     # ---- the loop's hooks ----------------------------------------------------------------
@@ -490,7 +515,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
         if self.elastic is not None:
-            self.elastic.after_sync()
+            step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
         self._pending_sync_metrics.update(step_metrics)
         self._pending_sync_metrics.update(eval_metrics)
         if eval_metrics and self.tide_metrics is not None:
@@ -566,8 +591,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
                 ref_needed = max(0, needed - self.tide_config.ra2p.ref_ranks)
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
+        # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
+        ref_floor = 1 if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0 else 0
         plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, phase=self._ers_phase(),
-                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None)
+                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None, ref_floor=ref_floor)
         m.update({
             "tide/readiness/ready_at_start": float(signals.ready_at_start),
             "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),

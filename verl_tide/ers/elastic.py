@@ -42,14 +42,17 @@ class ElasticRanks:
     """Applies ERS plans to the standalone rollout replicas (`replicas[rank]`) and a `RefPool`."""
 
     def __init__(self, replicas: Sequence[Any], balancer: Any, checkpoint_manager: Any, ref_pool: Any,
-                 ref_options: Callable[[Any], dict[str, Any]], timeout_s: float = 120.0):
+                 ref_options: Callable[[Any], dict[str, Any]], timeout_s: float = 120.0,
+                 ref_ready_timeout_s: float = 600.0):
         self.replicas = list(replicas)
         self.balancer = balancer
         self.checkpoint_manager = checkpoint_manager
         self.ref_pool = ref_pool
         self.ref_options = ref_options
         self.timeout_s = timeout_s
+        self.ref_ready_timeout_s = ref_ready_timeout_s
         self._rejoin: list[int] = []
+        self._joining_ref: list[int] = []
         self.applied: list[AppliedMove] = []  # every switch so far, in order
 
     @staticmethod
@@ -70,13 +73,24 @@ class ElasticRanks:
         self.applied.extend(done)
         return done
 
-    def after_sync(self) -> None:
-        """Ranks back from Ref hold the new weights now: they take tasks again."""
-        if not self._rejoin:
-            return
-        servers = {self.replicas[r].server_address: self.replicas[r].server_handle for r in self._rejoin}
-        ray.get(self.balancer.add_servers.remote(servers), timeout=self.timeout_s)
-        self._rejoin = []
+    def after_sync(self) -> float:
+        """Ranks back from Ref hold the new weights now: they take tasks again. New Ref replicas must be placed
+        and loaded before the next step needs them; returns how long that wait took past the sync."""
+        if self._rejoin:
+            servers = {self.replicas[r].server_address: self.replicas[r].server_handle for r in self._rejoin}
+            ray.get(self.balancer.add_servers.remote(servers), timeout=self.timeout_s)
+            self._rejoin = []
+        start = time.perf_counter()
+        joining, self._joining_ref = self._joining_ref, []
+        for rank in joining:
+            try:
+                ray.get(self.ref_pool.get(self.ref_key(rank)).ready.remote(), timeout=self.ref_ready_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"verl-tide ERS: the Ref replica on elastic rank {rank} was not placed and loaded within "
+                    f"{self.ref_ready_timeout_s:.0f} s; it runs in that rollout replica's placement-group bundle "
+                    f"with {self.ref_options(self.replicas[rank])}: the bundle must have that much free") from None
+        return time.perf_counter() - start
 
     def _rollout_to_ref(self, rank: int) -> int:
         replica = self.replicas[rank]
@@ -86,6 +100,7 @@ class ElasticRanks:
         self.checkpoint_manager.remove_replicas([replica])
         ray.get([s.release_kv_cache.remote() for s in replica.servers], timeout=self.timeout_s)
         self.ref_pool.add_replica(self.ref_key(rank), self.ref_options(replica))
+        self._joining_ref.append(rank)
         return sum(int((a or {}).get("aborted_count", 0)) for a in aborted)
 
     def _ref_to_rollout(self, rank: int) -> None:

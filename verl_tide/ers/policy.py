@@ -71,12 +71,13 @@ class ERSPolicy:
 
     def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
              phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None,
-             elastic_ref: bool = True) -> ScalingPlan:
+             elastic_ref: bool = True, ref_floor: int = 0) -> ScalingPlan:
         """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has decoupled mode beat colocated for
         the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown. Ranks move to
         Ref only while that many can be reached without making rollout the bottleneck.
         `elastic_ref`: whether a rank moved to Ref would have Ref work (a Ref model and a Ref pool that
-        takes replicas); without it no rank moves to Ref."""
+        takes replicas); without it no rank moves to Ref. `ref_floor`: Ref ranks that never move back, in
+        any phase (Ref has no ranks of its own)."""
         batch = self.elastic_batch(signals.ready_volume)
         if not self.config.enabled:
             return self._hold(step, roles, batch, "ERS disabled")
@@ -84,7 +85,7 @@ class ERSPolicy:
             # Preemptive rollout allocation: do not wait for RAS/TPRM to show starvation; evaluation
             # borrows even the min_ref_ranks back.
             self._streak = (None, 0)
-            moves = self._moves(step, roles, Role.REF, Role.ROLLOUT, keep_ref=0)
+            moves = self._moves(step, roles, Role.REF, Role.ROLLOUT, keep_ref=ref_floor)
             return self._finish(step, moves, RA2PMode.COLOCATED, batch, False,
                                 f"{phase.value}: generation dominates, preemptively maximize rollout")
         n_ref = sum(1 for r in roles.values() if r is Role.REF)
@@ -122,7 +123,7 @@ class ERSPolicy:
             if short:
                 self._streak = (None, 0)
                 return self._finish(step, (), mode, batch, False, f"{why}; no move: {short}")
-        moves = self._moves(step, roles, src, want)
+        moves = self._moves(step, roles, src, want, keep_ref=max(self.config.min_ref_ranks, ref_floor))
         if not moves:
             return self._finish(step, (), mode, batch, False, f"{why}; no {src.value} rank may move (limits/cooldown)")
         return self._finish(step, moves, mode, batch, want is Role.REF, f"{why}; move {len(moves)} {src.value} -> {want.value}")

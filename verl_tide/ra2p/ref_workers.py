@@ -127,6 +127,10 @@ class RefReplica:
         self.model.eval()
         self._tq_ready = False
 
+    def ready(self) -> bool:
+        """Answers once the replica is placed and its model loaded."""
+        return True
+
     def _tq(self) -> Any:
         import transfer_queue as tq
 
@@ -169,8 +173,8 @@ class RefPool:
 
     def __init__(self, model_path: str, replicas: int, num_gpus: float = 1.0, dtype: str = "float32",
                  trust_remote_code: bool = False):
-        if replicas < 1:
-            raise ValueError(f"tide.ra2p.ref_ranks = {replicas}: a Ref pool needs >= 1 replica")
+        if replicas < 0:
+            raise ValueError(f"tide.ra2p.ref_ranks = {replicas}: must be >= 0")
         parse_dtype(dtype)  # a bad name fails here, in the driver, not in every replica
         self._args = (model_path, dtype, trust_remote_code)
         actor = ray.remote(num_gpus=num_gpus)(RefReplica)
@@ -188,6 +192,9 @@ class RefPool:
             raise ValueError(f"Ref replica {key!r} already exists")
         self._pool[key] = ray.remote(RefReplica).options(**options).remote(*self._args)
 
+    def get(self, key: Any) -> Any:
+        return self._pool[key]
+
     def remove_replica(self, key: Any) -> None:
         """Stop an elastic replica and free its device memory (its rank goes back to rollout)."""
         replica = self._pool.pop(key)
@@ -198,6 +205,8 @@ class RefPool:
         """Score every key (contiguous shares, one per replica); returns the replicas' pending results."""
         replicas = self.replicas
         n = len(replicas)
+        if n == 0:
+            raise RuntimeError("the Ref pool has no replica (every elastic Ref rank went back to rollout)")
         refs = []
         for i, replica in enumerate(replicas):
             lo, hi = i * len(keys) // n, (i + 1) * len(keys) // n
