@@ -127,7 +127,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
-        self._last_signals: Any = None
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
@@ -338,12 +337,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
             raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: with tide.ra2p.ref_ranks = 0 Ref "
                                    f"runs on elastic ranks, and {len(roles)} rollout rank(s) cannot give that many while "
                                    f"keeping tide.ers.min_rollout_ranks = {ers.min_rollout_ranks}"])
-        moves = [RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:max(missing, 0)]]
-        for applied in self.elastic.before_sync(moves):
-            roles[applied.rank] = Role.REF
-        self.elastic.after_sync()  # step 1 needs the replica
+        self._switch_to_ref_at_start([RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:max(missing, 0)]])
         print(f"verl-tide: Ref runs on elastic ranks only (tide.ra2p.ref_ranks = 0): rank(s) "
               f"{sorted(r for r, role in roles.items() if role is Role.REF)} start as Ref", flush=True)
+
+    def _switch_to_ref_at_start(self, moves: list[RankMove]) -> None:
+        """Before the first sync: the ranks become Ref, and step 1 waits until their replicas answer."""
+        for applied in self.elastic.before_sync(moves):
+            self.rollout_roles[applied.rank] = Role.REF
+        self.elastic.after_sync()
 
     @staticmethod
     def _elastic_ref_options(replica: Any) -> dict[str, Any]:
@@ -444,9 +446,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             print(f"verl-tide WARNING: the checkpoint had {len(moves)} elastic Ref rank(s), this job has no Ref pool "
                   "(tide.ra2p.ref_ranks = 0 or ERS off): every rank starts as rollout", flush=True)
         elif moves:
-            for applied in self.elastic.before_sync(moves):
-                self.rollout_roles[applied.rank] = Role.REF
-            self.elastic.after_sync()
+            self._switch_to_ref_at_start(moves)
             print(f"verl-tide: ranks {[m.rank for m in moves]} resume in the Ref role", flush=True)
 
     # ---- the loop's hooks ----------------------------------------------------------------
@@ -508,8 +508,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
         self.readiness.step_finished()
-        step_metrics, plan = self._scaling_plan()
-        step_metrics.update(self._apply_plan(plan))
+        step_metrics, plan, signals = self._scaling_plan()
+        step_metrics.update(self._apply_plan(plan, signals))
         sync_start = self.clock()
         self._sync_weights()
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
@@ -562,7 +562,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # by verl only when it offloads); 0 when both stay resident, as on the test bed.
         self.stage_timer.observe("swap", 0, t.get("ref_swap", 0.0))
 
-    def _scaling_plan(self) -> tuple[dict[str, Any], Any]:
+    def _scaling_plan(self) -> tuple[dict[str, Any], Any, Any]:
         """This step's metrics and ERS's plan for the next one (RA2P's mode choice feeds it)."""
         step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
         self._observe_stage_times(step_tokens)
@@ -609,8 +609,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         })
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
-        self._last_signals = signals
-        return m, plan
+        return m, plan, signals
 
     def _ers_phase(self) -> Phase:
         """Evaluation starts after this step's sync and runs during the next step's rollout: ERS allocates
@@ -621,7 +620,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             return Phase.EVAL
         return Phase.TRAIN
 
-    def _apply_plan(self, plan) -> dict[str, Any]:
+    def _apply_plan(self, plan, signals) -> dict[str, Any]:
         """Move the plan's ranks (before the weight sync) and report roles after it."""
         last = self.global_steps >= self.total_training_steps
         applied = []
@@ -650,7 +649,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if self.ref_pool is not None:
             m["tide/ra2p/ref_replicas"] = float(len(self.ref_pool.replicas))
         if self.tide_metrics is not None:
-            self.tide_metrics.update_from_ers(plan, self._last_signals, self.rollout_roles)
+            self.tide_metrics.update_from_ers(plan, signals, self.rollout_roles)
             self.tide_metrics.update_from_ledger(self.ledger)
         return m
 
