@@ -331,13 +331,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
             return
         ers = self.tide_config.ers
         roles = self.rollout_roles
-        missing = ers.min_ref_ranks - sum(r is Role.REF for r in roles.values())
+        missing = max(0, ers.min_ref_ranks - sum(r is Role.REF for r in roles.values()))
         rollout = [r for r in sorted(roles, reverse=True) if roles[r] is Role.ROLLOUT]
-        if len(rollout) - max(missing, 0) < ers.min_rollout_ranks:
+        if len(rollout) - missing < ers.min_rollout_ranks:
             raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: with tide.ra2p.ref_ranks = 0 Ref "
                                    f"runs on elastic ranks, and {len(roles)} rollout rank(s) cannot give that many while "
                                    f"keeping tide.ers.min_rollout_ranks = {ers.min_rollout_ranks}"])
-        self._switch_to_ref_at_start([RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:max(missing, 0)]])
+        self._switch_to_ref_at_start([RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:missing]])
         print(f"verl-tide: Ref runs on elastic ranks only (tide.ra2p.ref_ranks = 0): rank(s) "
               f"{sorted(r for r, role in roles.items() if role is Role.REF)} start as Ref", flush=True)
 
@@ -622,21 +622,20 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def _apply_plan(self, plan, signals) -> dict[str, Any]:
         """Move the plan's ranks (before the weight sync) and report roles after it."""
-        last = self.global_steps >= self.total_training_steps
+        # The policy plans moves only when elastic ranks exist (`elastic_ref`, and no Ref role without them).
         applied = []
-        if plan.moves and self.elastic is not None and not last:
+        if not plan.moves:
+            note = "nothing to move"
+        elif self.global_steps >= self.total_training_steps:
+            self.ers.cancel(plan)
+            note = "not applied: last step"
+        else:
             applied = self.elastic.before_sync(plan.moves)
             for move in applied:
                 self.rollout_roles[move.rank] = move.dst
-        if applied:
-            how = "; ".join(f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} requests re-sent)"
-                            for a in applied)
-            note = f"applied: {how}"
-        elif plan.moves:
-            self.ers.cancel(plan)
-            note = "not applied: last step" if last else "not applied: no elastic ranks (no Ref pool)"
-        else:
-            note = "nothing to move"
+            note = "applied: " + "; ".join(
+                f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} requests re-sent)"
+                for a in applied)
         print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({note}); RA2P: {self._ra2p_text()}; "
               f"ledger: {self._ledger_text()}", flush=True)
         m = {

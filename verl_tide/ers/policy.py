@@ -173,7 +173,8 @@ class ERSPolicy:
         return ScalingPlan(step, moves, mode, batch, retain, reason)
 
     def _moves(self, step: int, roles: Mapping[int, Role], src: Role, dst: Role,
-               keep_ref: Optional[int] = None) -> tuple[RankMove, ...]:
+               keep_ref: int = 0) -> tuple[RankMove, ...]:
+        """Up to the per-step budget of `src` ranks not in cooldown; a Ref source keeps `keep_ref` Ref ranks."""
         n_rollout = sum(1 for r in roles.values() if r is Role.ROLLOUT)
         n_ref = len(roles) - n_rollout
         if src is Role.ROLLOUT:
@@ -181,7 +182,7 @@ class ERSPolicy:
             if self.config.max_ref_ranks is not None:
                 budget = min(budget, self.config.max_ref_ranks - n_ref)
         else:
-            budget = n_ref - (self.config.min_ref_ranks if keep_ref is None else keep_ref)
+            budget = n_ref - keep_ref
         budget = min(budget, self.config.max_moves_per_step)
         moves: list[RankMove] = []
         for rank in sorted(roles, reverse=src is Role.ROLLOUT):  # highest rollout ranks leave first
