@@ -101,6 +101,7 @@ async def test_removing_a_server_moves_its_trajectories():
     sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 300)
     lb.release_server(sid, request_id="a")
     lb.remove_servers([sid])
+    assert lb.get_status()["ctb"]["tasks_moved_off_removed_ranks"] == 1  # ERS closing a rank: counted, not lost
     other, _ = await lb.acquire_server("a", prompt_ids=[1] * 400)
     assert other != sid and lb.get_all_servers() == [other]
 

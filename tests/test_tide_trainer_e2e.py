@@ -156,8 +156,8 @@ def test_ers_lends_a_rollout_rank_to_ref_and_takes_it_back_for_evaluation(job, t
     rank 0), leaves the weight sync and hosts a second Ref replica in its own bundle, which scores half of
     step 2's samples. Step 2 is followed by an evaluation (test_freq=2): ERS allocates rollout preemptively,
     rank 1 stops its Ref replica, gets step 2's weights in the sync and takes tasks again in step 3.
-    The environment is slow (about 2 s a step), so trajectories are still running on rank 1 when it leaves
-    rollout: CTB re-admits them on rank 0. Nothing is lost on the way: every group is accounted for, no Ref
+    The environment is slow (about 2 s a step), so trajectories are usually still running on rank 1 when it
+    leaves rollout: CTB re-admits them on rank 0. Nothing is lost on the way: every group is accounted for, no Ref
     row is left unserved."""
     import signal
 
@@ -195,9 +195,10 @@ def _check_ers_run(run, kl_job):
     assert first["tide/ctb/ranks"] == 2 and first["tide/ra2p/ref_replicas_used"] == 1
     assert first["tide/ers/moves_applied"] == 1 and first["tide/ers/ranks_ref"] == 1, first
     assert "rank 1 -> ref" in run.output and "tide.ers.min_ref_ranks 1" in run.output
-    # trajectories resident on rank 1 (mostly waiting on the slow environment) were handed back to CTB and
-    # re-admitted on rank 0; requests inside its engine, if any, were aborted and re-sent by verl's client
-    assert second["tide/ctb/tasks_moved_off_removed_ranks"] > 0, second
+    # trajectories resident on rank 1 at the boundary (how many depends on timing: 0 seen once in CI, 6 usually)
+    # are handed back to CTB and re-admitted on rank 0 (counted: tests/test_ctb_router.py); requests inside its
+    # engine are aborted and re-sent (tests/test_ers_elastic.py); the ledger below shows none was lost
+    assert "tide/ctb/tasks_moved_off_removed_ranks" in second and "tide/ers/requests_resent" in first
     # step 2: CTB routed to rank 0 only; the elastic replica computed Ref beside the fixed one; then it went back
     assert second["tide/ctb/ranks"] == 1 and second["tide/ra2p/ref_replicas_used"] == 2, second
     assert second["tide/ers/moves_applied"] == 1 and second["tide/ers/ranks_rollout"] == 2, second
