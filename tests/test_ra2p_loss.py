@@ -131,3 +131,23 @@ def test_missing_ref_times_out_naming_the_samples(model, batch):
     loss, _ = DeferredKLLoss(cfg, RefLogProbStore(), timeout_s=0.1)({"log_probs": _log_probs(model, prompts, responses)}, data)
     with pytest.raises(TimeoutError, match=r"samples \[100, 101, 102\]"):
         loss.backward()
+
+
+def test_a_micro_batch_that_carries_ref_log_probs_gets_verls_loss_unchanged(model, batch):
+    """A colocated step (Ref ran before the update) under the same installed loss: verl's KL term, in the
+    forward, and the source is never asked."""
+    prompts, responses, masks, _ = batch
+    cfg = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=3, ppo_micro_batch_size_per_gpu=3, rollout_n=1,
+                          use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=0.5)
+    data, _ = _data(prompts, responses, masks, torch.Generator().manual_seed(9), with_ref=True)
+    loss_verl, metrics_verl = ppo_loss(cfg, {"log_probs": _log_probs(model, prompts, responses)}, data)
+    g_verl = _grads(model, loss_verl)
+
+    never = RefLogProbStore()  # empty: a deferred backward would time out
+    deferred = DeferredKLLoss(cfg, never, timeout_s=0.1)
+    loss, metrics = deferred({"log_probs": _log_probs(model, prompts, responses)}, data)
+    for a, b in zip(_grads(model, loss), g_verl):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert float(loss) == pytest.approx(float(loss_verl), rel=1e-6)
+    assert metrics["kl_loss"].values == metrics_verl["kl_loss"].values  # verl reports the KL itself
+    assert deferred.last_kl_loss is None

@@ -108,10 +108,11 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def _kl_run(job, tmp_path_factory, mode: str):
-    """One update per step with use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1)."""
+def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1):
+    """use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1), `mini_batches` updates per step."""
     work = tmp_path_factory.mktemp(f"tide_ref_{mode}")
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True,
+                        "ppo_mini_batch_size": job.train_batch_size // mini_batches})
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
                                                         f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
@@ -120,7 +121,8 @@ def _kl_run(job, tmp_path_factory, mode: str):
     assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
     # At step 1 the Ref and the Actor hold the same weights, so verl's KL loss is ~0 if and only if the
     # replica scores the same tokens the same way (alignment, temperature); after two updates it is not.
-    assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
+    if mini_batches == 1:  # (with more, the step's later mini-batches train on updated weights)
+        assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
     assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
     assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
     return run, steps, kl_job.train_batch_size * kl_job.rollout_n
@@ -132,6 +134,27 @@ def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
     run, steps, _ = _kl_run(job, tmp_path_factory, "colocated")
     assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
     assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
+    # One mini-batch per step: nothing to aggregate (the sync window ends with it), a Ref pass per mini-batch.
+    assert steps[STEPS]["tide/ra2p/aggregation_samples_ahead"] == 0
+    assert steps[STEPS]["tide/ra2p/aggregation_bursts"] == STEPS
+
+
+def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_pass(job, tmp_path_factory):
+    """Two mini-batches per step, colocated: the first mini-batch's Ref pass also scores the ready groups the
+    second will take (read from verl's replay buffer, in its sampling order), so that one finds its ref
+    log-probs in TransferQueue and runs no Ref pass; verl's KL loss, which needs ref_log_prob on every sample,
+    trains on both. Every mini-batch either ran a Ref pass or found all of its samples scored."""
+    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated", mini_batches=2)
+    last = steps[STEPS]
+    trained_mini_batches = 2 * STEPS
+    assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] \
+        == trained_mini_batches, last
+    assert last["tide/ra2p/aggregation_samples_scored"] >= STEPS * samples_per_step
+    # Rollout runs ahead of the trainer: by the later steps the second mini-batch's groups are ready when the
+    # first one's Ref pass runs.
+    assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last
+    assert last["tide/ra2p/aggregation_batches_without_ref_pass"] > 0, last
+    assert re.search(r"RA2P: .*\d+ Ref passes, \d+ samples scored ahead", run.output)
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):

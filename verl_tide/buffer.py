@@ -10,6 +10,7 @@ themselves stay verl's (subclass, no patching).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
@@ -29,6 +30,7 @@ class TideReplayBuffer(ReplayBufferAsync):
         self.readiness = readiness
         self.ledger = ledger
         self.clock = clock
+        self.on_evicted: Optional[Callable[[list[str]], None]] = None  # sample keys of groups verl evicts
         super().__init__(*args, **kwargs)
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
@@ -62,8 +64,27 @@ class TideReplayBuffer(ReplayBufferAsync):
                            else Outcome.DROPPED_STALE if uid in stale else Outcome.DROPPED_FILTERED)
                 samples, tokens = self._group_size(TRAIN, uid)
                 self.ledger.settle(uid, outcome, samples, tokens)
+                if self.on_evicted is not None:
+                    self.on_evicted([k for k in self.partitions[TRAIN] if k.startswith(f"{uid}_")])
                 self.readiness.micro_batch_dropped(uid)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
+
+    def ready_groups(self, global_steps: int, limit: int, exclude: set[str] = frozenset()) -> list[tuple[str, dict]]:
+        """Up to `limit` ready GRPO groups that verl will sample next (its order: oldest prompt first), as
+        (uid, {sample key: tag}); stale, filtered and failed groups are left to verl's eviction.
+        RA2P's ready-batch aggregation scores their Ref log-probs ahead of their mini-batch."""
+        if limit <= 0:
+            return []
+        self._sync_metadata_from_transfer_queue()
+        reasons = self._terminal_eviction_reasons(global_steps, TRAIN)
+        sampleable = self._sampleable_terminal_keys(TRAIN, reasons) - set(exclude)
+        steps = self.prompt_global_steps[TRAIN]
+        chosen = sorted(sampleable, key=lambda uid: steps.get(uid, 0))[:limit]
+        groups = []
+        for uid in chosen:
+            prefix = f"{uid}_"
+            groups.append((uid, {k: t for k, t in self.partitions[TRAIN].items() if k.startswith(prefix)}))
+        return groups
 
     def _stop_if_nothing_succeeds(self, failed: set[str]) -> None:
         """verl refills failed groups forever; when every group fails (a dead router or engine), stop."""

@@ -102,6 +102,12 @@ class RA2PConfig:
         default=4, metadata=_check(lambda x: x >= 1, ">= 1", "Actor ranks one decoupled Ref rank serves")
     )
     zero_copy: bool = field(default=True, metadata=_help("colocated hand-off without serialization"))
+    max_aggregate: Optional[int] = field(
+        default=None,
+        metadata=_check(lambda x: x >= 0, ">= 0 or null (null = the rest of the weight-sync window)",
+                        "ready GRPO groups one colocated Ref pass scores beyond the mini-batch in training "
+                        "(ready-batch aggregation; 0 = a Ref pass per mini-batch, verl's order)"),
+    )
     ref_ranks: int = field(
         default=0, metadata=_check(lambda x: x >= 0, ">= 0", "Ref replicas on GPUs of their own (decoupled "
                                    "placement); 0 = verl's Ref on the trainer's GPUs")

@@ -20,13 +20,15 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
 - evaluation overlapped with the next step's rollout (`tide.overlap_eval`, `evaluation.py`), its
   prompts at CTB's top priority;
 - Ref on ranks of its own (`tide.ra2p.ref_ranks`, `ra2p/ref_workers.py`) instead of verl's Ref on the
-  trainer's GPUs; with `tide.ra2p.mode=decoupled` the KL term is deferred to the Actor's backward.
+  trainer's GPUs; RA2P's mode per step: decoupled (the KL term deferred to the Actor's backward, Ref
+  overlapping it) or colocated (ready-batch aggregation: one Ref pass scores the mini-batch and the
+  ready groups the rest of the sync window trains, `ra2p/aggregation.py`; with verl's own Ref too).
 
 - elastic ranks (`ers/elastic.py`): with tide's Ref pool, ERS's plan is applied at the post-update
   boundary, before the weight sync; a rollout rank hosts a Ref replica and comes back.
 
-Not yet (README "Limits"): RA2P's mode is not switched per step inside the trainer; no colocated
-aggregation; elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`, or `tide.ers.min_ref_ranks >= 1`
+Not yet (README "Limits"): the colocated zero-copy hand-off (Ref's log-probs go through TransferQueue);
+elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`, or `tide.ers.min_ref_ranks >= 1`
 for Ref on elastic ranks only).
 """
 
@@ -55,7 +57,9 @@ from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.ra2p.cost import StageTimer, choose_mode, decoupled_break_even_ras, ref_ranks_for_decoupled
+from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.cost import (RA2PMode, StageTimer, choose_mode, decoupled_break_even_ras,
+                                 ref_ranks_for_decoupled)
 from verl_tide.readiness import ReadinessTracker
 
 if TYPE_CHECKING:
@@ -127,11 +131,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
+        self.ref_aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
         sampler = self.config.trainer.v1.sampler
-        return TideReplayBuffer(
+        buffer = TideReplayBuffer(
             readiness=self.readiness, ledger=self.ledger, clock=self.clock,
             trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
             # verl drops a group when (step - its step + 1) > threshold: a lag of max_staleness versions.
@@ -142,6 +147,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
             train_batch_size=int(self.config.data.train_batch_size),
         )
+        buffer.on_evicted = self.ref_aggregator.forget  # scored ahead, then dropped: never trained
+        return buffer
 
     def _init_dataloader(self):
         super()._init_dataloader()
@@ -187,9 +194,23 @@ class TideTrainer(PPOTrainerSeparateAsync):
                  else "Ref replicas on elastic ranks only")
         print(f"verl-tide: {where} (RA2P decoupled placement; {how}); verl's Ref worker is not built", flush=True)
 
+    def _step_ra2p_mode(self) -> RA2PMode:
+        """The mode this step's mini-batches run in; it can change at every step boundary (`tide.ra2p.mode=auto`
+        follows the cost model's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss;
+        everything else runs colocated: the Actor waits for Ref, one Ref pass per burst of ready groups."""
+        if self.ref_service is None:
+            return RA2PMode.COLOCATED
+        if self.tide_config.ra2p.mode == "decoupled":
+            return RA2PMode.DECOUPLED
+        return self.ra2p_mode or RA2PMode.DECOUPLED
+
     def _compute_old_log_prob(self, batch, metrics: dict):
-        """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap."""
-        if self.ref_service is not None:
+        """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
+        A batch with samples scored ahead by a colocated step's burst finishes colocated (never mixed)."""
+        metrics["tide/ra2p/step_mode_decoupled"] = 0.0
+        if self.ref_service is not None and self._step_ra2p_mode() is RA2PMode.DECOUPLED \
+                and not self.ref_aggregator.any_scored(batch.keys):
+            metrics["tide/ra2p/step_mode_decoupled"] = 1.0
             self._start_deferred_ref(batch)
         return super()._compute_old_log_prob(batch, metrics)
 
@@ -211,14 +232,49 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._ref_in_flight = (pending, ids, time.perf_counter())
 
     def _compute_ref_log_prob(self, batch, metrics: dict):
-        if self.ref_pool is None:
-            return super()._compute_ref_log_prob(batch, metrics)
-        if self.ref_service is not None:
-            return batch  # already running since the sample; the Actor's backward waits for it
-        timing = self.ref_pool.compute(list(batch.keys), batch.partition_id,
-                                       float(self.config.actor_rollout_ref.rollout.temperature))
-        self._observe_ref_workers(timing, metrics)
+        if self._ref_in_flight is not None:
+            return batch  # decoupled: running since the sample; the Actor's backward waits for it
+        limit = self._aggregate_limit()
+        if self.ref_pool is None and limit == 0:
+            return super()._compute_ref_log_prob(batch, metrics)  # verl's order: a Ref pass per mini-batch
+        # Colocated, ready-batch aggregation: one Ref pass scores this mini-batch and the ready groups the
+        # next mini-batches will take, so those find their ref log-probs waiting (no Ref<->Actor swap).
+        uids = {key.split("_")[0] for key in batch.keys}
+        groups = self.replay_buffer.ready_groups(self.global_steps, limit, exclude=uids) if limit else []
+        own, ahead = self.ref_aggregator.burst(list(batch.keys), [(u, list(t)) for u, t in groups], limit)
+        if own:
+            tags = dict(zip(batch.keys, batch.tags))
+            for _uid, group_tags in groups:
+                tags.update(group_tags)
+            if self.ref_pool is None:  # verl's Ref worker group splits a pass evenly over its ranks
+                own = list(batch.keys)
+                wg = self.actor_rollout_wg if self.ref_in_actor else self.ref_policy_wg
+                ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
+            self._score_ref(batch.partition_id, own + ahead, [tags[k] for k in own + ahead], metrics)
+            self.ref_aggregator.record_burst(own, ahead)
+        self.ref_aggregator.trained(list(batch.keys), ref_pass_ran=bool(own))
+        metrics["tide/ra2p/ref_pass_samples"] = float(len(own) + len(ahead))
+        metrics["tide/ra2p/ref_pass_samples_ahead"] = float(len(ahead))
         return batch
+
+    def _aggregate_limit(self) -> int:
+        """Ready groups a colocated Ref pass may score beyond the mini-batch (`tide.ra2p.max_aggregate`;
+        null: the groups the rest of this weight-sync window trains)."""
+        cap = self.tide_config.ra2p.max_aggregate
+        if cap is not None:
+            return cap
+        groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        return window_groups_left(self.parameter_sync_step, self.local_trigger_step, groups_per_mini_batch)
+
+    def _score_ref(self, partition_id: str, keys: list[str], tags: list[dict], metrics: dict) -> None:
+        """One Ref pass over these samples; `ref_log_prob` is in TransferQueue when it returns."""
+        if self.ref_pool is not None:
+            timing = self.ref_pool.compute(keys, partition_id, float(self.config.actor_rollout_ref.rollout.temperature))
+            self._observe_ref_workers(timing, metrics)
+            return
+        from transfer_queue import KVBatchMeta
+
+        super()._compute_ref_log_prob(KVBatchMeta(keys=keys, tags=tags, partition_id=partition_id), metrics)
 
     def _update_actor(self, batch, metrics: dict):
         batch = super()._update_actor(batch, metrics)
@@ -397,7 +453,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
         state = {"global_steps": self.global_steps, "ledger": self.ledger.state_dict(), "ctb": self._ctb_state(),
                  "ers_last_moved": {str(r): [s, role.value] for r, (s, role) in self.ers._last_moved.items()},
-                 "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()}}
+                 "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()},
+                 # samples already carrying ref log-probs in the checkpointed TransferQueue
+                 "ra2p_aggregation": self.ref_aggregator.state_dict()}
         path = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}", self.TIDE_STATE)
         with open(path, "w") as f:
             json.dump(state, f)
@@ -418,6 +476,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.readiness.micro_batch_ready(uid, max(samples, 1))
         self.ers._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state["ers_last_moved"].items()}
         self._restored_roles = {int(r): Role(role) for r, role in state.get("rollout_roles", {}).items()}
+        self.ref_aggregator.load_state_dict(state.get("ra2p_aggregation", {}))
         # CTB's router starts after this (in _setup); its counters and group probes are handed over there.
         self._restored_ctb_state = state.get("ctb")
         print(f"verl-tide: resumed from step {state['global_steps']}: {self._ledger_text()}", flush=True)
@@ -607,6 +666,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/ers/elastic_batch": float(plan.batch_size),
             "tide/ra2p/uses_ref": float(self.use_reference_policy),
         })
+        # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
+        m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref_aggregator.counters.as_dict().items()})
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
         return m, plan, signals
@@ -702,9 +763,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
             return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
         if self.ra2p_mode is None:
             return "measuring stage times"
+        c = self.ref_aggregator.counters
+        aggregated = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
+                      f"{c.batches_without_ref_pass} mini-batches needed none")
         if self.ref_pool is None:
-            return f"{self.ra2p_mode.value} (chosen; Ref runs in verl's sequential path)"
-        return f"{self.ra2p_mode.value} (chosen; {len(self.ref_pool.replicas)} Ref replica(s))"
+            return f"{self.ra2p_mode.value} chosen; colocated with verl's Ref ({aggregated})"
+        return (f"{self.ra2p_mode.value} chosen, next step runs {self._step_ra2p_mode().value} "
+                f"({len(self.ref_pool.replicas)} Ref replica(s); {aggregated})")
 
     def _ledger_text(self) -> str:
         l = self.ledger

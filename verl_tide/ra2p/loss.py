@@ -9,6 +9,8 @@ same as verl's, term for term. Install it with verl's `set_loss_fn` on the actor
 
 Mechanism layer: torch + verl's loss helpers, no Ray. The KL value itself is only known in the
 backward pass, so it is reported through `DeferredKLLoss.last_kl_loss` rather than the forward metrics.
+A micro-batch whose data already carries `ref_log_prob` (a colocated step) gets verl's `ppo_loss` unchanged,
+so trainer `tide` can switch RA2P's mode per step with one installed loss.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class DeferredKLLoss:
         from verl.workers.utils.losses import ppo_loss
         from verl.workers.utils.padding import no_padding_2_padding
 
+        if self.config.use_kl_loss and "ref_log_prob" in data.keys():
+            # A colocated step (the mode can change per step): Ref ran before the update and its log-probs
+            # came with the data, so the KL term is verl's own, in the forward graph.
+            return ppo_loss(self.config, model_output, data, dp_group)
         loss, metrics = ppo_loss(self.pg_config, model_output, data, dp_group)
         if not self.config.use_kl_loss:
             return loss, metrics
