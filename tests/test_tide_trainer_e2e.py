@@ -315,19 +315,22 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]
 
 
-def test_a_rollout_rank_killed_mid_run_is_quarantined_and_no_task_is_lost(tiny_model_path, env_service_url,
-                                                                           tmp_path_factory):
-    """Two rollout ranks; after step 1 one rank's server process is killed (SIGKILL). The job must
-    finish its steps on the other rank, every group accounted for, none failed."""
+def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_lost(
+        tiny_model_path, env_service_url, tmp_path_factory):
+    """Two rollout ranks; after step 1 one rank's server process is killed (SIGKILL). It is quarantined (its
+    turns re-sent to the other rank), its server is relaunched in the background on the same workers, and at
+    a later weight sync it rejoins with the current weights and takes tasks again. Every group is accounted
+    for, none failed."""
     import os
     import signal
     import subprocess
 
+    steps_total = 6
     work = tmp_path_factory.mktemp("tide_fault")
-    train = write_env_task_parquet(work / "train.parquet", 32, env="tiny_slow")
+    train = write_env_task_parquet(work / "train.parquet", 48, env="tiny_slow")
     val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
-    job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=3, steps=4,
-                  prompt_length=128, response_length=96)
+    job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=3,
+                  steps=steps_total, prompt_length=128, response_length=96)
     overrides = with_overrides(grpo_overrides(job), [
         *tide_overrides(job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8"])
@@ -341,20 +344,26 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_and_no_task_is_lost(tiny_m
         os.kill(int(pids[-1]), signal.SIGKILL)
         killed.append(int(pids[-1]))
 
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900,
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=1200,
                        on_line=kill_one_rollout_server)
     assert killed, "the run never reached step 1"
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
-    assert sorted(steps) == [1, 2, 3, 4], run.output[-3000:]
-    assert "quarantined" in run.output
-    last = steps[4]
-    assert last["tide/rollout/ranks_quarantined"] == 1 and last["tide/ers/ranks_rollout"] == 1
+    assert sorted(steps) == list(range(1, steps_total + 1)), run.output[-3000:]
+    quarantined = [n for n in steps if steps[n]["tide/rollout/ranks_quarantined"] == 1]
+    assert quarantined, run.output[-3000:]
+    assert re.search(r"relaunching rollout rank \d's server in the background \(restart 1 of 2\)", run.output)
+    back = re.search(r"rollout rank (\d) is back after a relaunch \(([\d.]+) s in the background\)", run.output)
+    assert back, run.output[-4000:]
+    last = steps[steps_total]
+    # back in rollout: in CTB's routing again, in the weight sync, out of quarantine
+    assert last["tide/rollout/ranks_quarantined"] == 0 and last["tide/ers/ranks_rollout"] == 2, last
+    assert last["tide/ctb/ranks"] == 2 and last["tide/rollout/relaunches"] == 1
     assert last["tide/ledger/groups_dropped_failed"] == 0  # turns on the dead rank were re-sent elsewhere
     settled = sum(last[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                            "dropped_failed"))
     assert settled + last["tide/ledger/groups_in_flight"] == last["tide/ledger/groups_submitted"]
-    assert last["tide/ledger/groups_consumed"] == 16
+    assert last["tide/ledger/groups_consumed"] == 4 * steps_total
 
 
 def test_ctb_disabled_gives_verls_stock_routing(job, env_service_url, tmp_path_factory):

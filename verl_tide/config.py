@@ -193,6 +193,10 @@ class TideConfig:
         default=True, metadata=_help("run step i's evaluation during step i+1's rollout on step-i weights "
                                      "(false: verl's blocking validation between steps)")
     )
+    max_rank_restarts: int = field(
+        default=2, metadata=_check(lambda x: x >= 0, ">= 0", "times a quarantined rollout rank's server is "
+                                   "relaunched (in the background; it rejoins at a weight sync); 0 = never")
+    )
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)

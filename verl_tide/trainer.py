@@ -132,6 +132,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
         self.ref_aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
+        self.restarts: Any = None  # relaunches of quarantined rollout ranks (rollout_restart.py)
 
     # ---- construction --------------------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
@@ -365,6 +366,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
             replicas=self.standalone_server_manager.get_replicas(),
         )
         self.current_mode = HybridEngineMode.TRAINER
+        from verl_tide.rollout_restart import RankRestarts
+
+        self.restarts = RankRestarts(self.standalone_server_manager.global_load_balancer,
+                                     self.standalone_checkpoint_manager, self.tide_config.max_rank_restarts)
         self._warn_about_stock_agent_loops()
         self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(self.standalone_server_manager.get_replicas()))}
         if self.ref_pool is not None and self.tide_config.ers.enabled:
@@ -546,6 +551,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.rollout_roles.pop(rank, None)
             print(f"verl-tide: rollout rank {rank} ({address}) quarantined: {why}; it gets no new tasks and no "
                   f"weight syncs, its tasks are re-dispatched", flush=True)
+            if self.restarts is not None and self.restarts.start(rank, replica):
+                print(f"verl-tide: relaunching rollout rank {rank}'s server in the background (restart "
+                      f"{self.restarts.restarts[rank]} of {self.restarts.max_restarts}); it rejoins at a weight sync",
+                      flush=True)
 
     def on_step_begin(self):
         self._check_rollout_ranks()
@@ -569,16 +578,32 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.step_finished()
         step_metrics, plan, signals = self._scaling_plan()
         step_metrics.update(self._apply_plan(plan, signals))
+        relaunched = self.restarts.before_sync() if self.restarts is not None else []
         sync_start = self.clock()
         self._sync_weights()
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
+        if self.restarts is not None:
+            step_metrics.update(self._rejoin_relaunched(dict(relaunched)))
         self._pending_sync_metrics.update(step_metrics)
         self._pending_sync_metrics.update(eval_metrics)
         if eval_metrics and self.tide_metrics is not None:
             self.tide_metrics.update_from_eval(eval_metrics)
+
+    def _rejoin_relaunched(self, seconds: dict[int, float]) -> dict[str, float]:
+        """Relaunched ranks got this sync's weights: they leave quarantine and roll out again."""
+        for rank in self.restarts.after_sync(self.standalone_server_manager.get_replicas()):
+            self.quarantined.pop(rank, None)
+            self.rollout_roles[rank] = Role.ROLLOUT
+            print(f"verl-tide: rollout rank {rank} is back after a relaunch ({seconds[rank]:.1f} s in the "
+                  "background): current weights synced, it takes tasks again", flush=True)
+        for rank, why in self.restarts.failures.items():
+            print(f"verl-tide: rollout rank {rank}'s relaunch failed ({why}); it stays quarantined", flush=True)
+        self.restarts.failures.clear()
+        return {"tide/rollout/ranks_relaunching": float(len(self.restarts.relaunching)),
+                "tide/rollout/relaunches": float(sum(self.restarts.restarts.values()))}
 
     def _sync_weights(self) -> None:
         """verl's weight sync to every rollout rank (rollout is paused meanwhile). A rank can die between the
@@ -744,7 +769,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         rates: dict[str, float] = {}
         previous = getattr(self, "_engine_scrapes", {})
         current: dict[str, Any] = {}
-        for rank, address in enumerate(self.standalone_server_manager.server_addresses):
+        for rank, replica in enumerate(self.standalone_server_manager.get_replicas()):
+            address = replica.server_address  # current: a relaunched rank has a new one
             if rank in self.quarantined:
                 continue
             try:

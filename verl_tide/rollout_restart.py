@@ -1,0 +1,100 @@
+"""Restart of quarantined rollout ranks: a dead server is relaunched in the background and the rank rejoins
+rollout at a weight-sync boundary.
+
+A rollout rank whose server process died is quarantined by trainer `tide` (no tasks, no syncs). Its
+replica's workers, placement group and GPUs usually survive (a crashed or OOM-killed engine), so the
+rank need not stay lost: verl's `RolloutReplica.launch_servers()` starts a new server on the same
+workers. The relaunch (model load, engine start-up: tens of seconds) runs on a thread of its own
+while training goes on; at the next post-update boundary a relaunched rank rejoins the checkpoint
+manager, so the sync pushes the current weights to it, and after the sync it rejoins the load
+balancer (CTB admits tasks to it again). A relaunch that fails leaves the rank quarantined; each rank
+is relaunched at most `max_restarts` times.
+
+Mechanism layer: Ray and verl's replica/balancer/checkpoint-manager objects, through their methods.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+
+
+@dataclass
+class _Relaunch:
+    replica: Any
+    started: float
+    done: threading.Event = field(default_factory=threading.Event)
+    error: Optional[str] = None
+    seconds: float = 0.0
+
+
+class RankRestarts:
+    """Relaunches quarantined rollout ranks' servers; `before_sync` / `after_sync` bring them back."""
+
+    def __init__(self, balancer: Any, checkpoint_manager: Any, max_restarts: int, timeout_s: float = 120.0):
+        if max_restarts < 0:
+            raise ValueError(f"tide.max_rank_restarts = {max_restarts}: must be >= 0")
+        self.balancer = balancer
+        self.checkpoint_manager = checkpoint_manager
+        self.max_restarts = max_restarts
+        self.timeout_s = timeout_s
+        self.restarts: dict[int, int] = {}  # rank -> relaunches started
+        self.failures: dict[int, str] = {}  # rank -> why its last relaunch failed
+        self._running: dict[int, _Relaunch] = {}
+        self._rejoin: list[int] = []
+
+    def start(self, rank: int, replica: Any) -> bool:
+        """Relaunch the rank's server in the background; False when it used up its restarts (or is running)."""
+        if rank in self._running or self.restarts.get(rank, 0) >= self.max_restarts:
+            return False
+        self.restarts[rank] = self.restarts.get(rank, 0) + 1
+        job = _Relaunch(replica, time.perf_counter())
+        self._running[rank] = job
+        threading.Thread(target=self._relaunch, args=(job,), name=f"tide-relaunch-rank-{rank}", daemon=True).start()
+        return True
+
+    @staticmethod
+    def _relaunch(job: _Relaunch) -> None:
+        replica = job.replica
+        try:
+            for server in replica.servers:  # the dead one (and any node-mates): a relaunch starts them all anew
+                ray.kill(server)
+            replica.servers.clear()  # verl's launch_servers appends the new servers to this list
+            asyncio.run(replica.launch_servers())
+        except Exception as e:  # a relaunch that fails leaves the rank quarantined, training goes on
+            job.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        job.seconds = time.perf_counter() - job.started
+        job.done.set()
+
+    @property
+    def relaunching(self) -> list[int]:
+        return sorted(r for r, job in self._running.items() if not job.done.is_set())
+
+    def before_sync(self) -> list[tuple[int, float]]:
+        """Ranks whose relaunch finished: they join the checkpoint manager, so the coming sync gives them the
+        current weights. Returns (rank, relaunch seconds) of each; failed relaunches are recorded."""
+        ready = []
+        for rank, job in list(self._running.items()):
+            if not job.done.is_set():
+                continue
+            del self._running[rank]
+            if job.error is not None:
+                self.failures[rank] = job.error
+                continue
+            self.checkpoint_manager.add_replicas([job.replica])
+            self._rejoin.append(rank)
+            ready.append((rank, job.seconds))
+        return ready
+
+    def after_sync(self, replicas: list[Any]) -> list[int]:
+        """Relaunched ranks hold the new weights now: they take tasks again. Returns those ranks."""
+        ranks, self._rejoin = self._rejoin, []
+        if ranks:
+            servers = {replicas[r].server_address: replicas[r].server_handle for r in ranks}
+            ray.get(self.balancer.add_servers.remote(servers), timeout=self.timeout_s)
+        return ranks
