@@ -82,8 +82,9 @@ class _Buffer:
 
 
 class _Pool:
-    def __init__(self):
+    def __init__(self, replicas=1):
         self.passes = []
+        self.replicas = [object()] * replicas
 
     def compute(self, keys, partition_id, temperature):
         self.passes.append(list(keys))
@@ -106,6 +107,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t.parameter_sync_step, t.local_trigger_step, t.global_steps = 2, 0, 1
     t.ref_aggregator = RefAggregator()
     t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
+    t._ref_pool_wanted = True
     t._ref_in_flight = None
     t.stage_timer = StageTimer()
     t.replay_buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
@@ -194,3 +196,32 @@ def test_with_verls_own_ref_a_burst_is_one_ref_worker_group_pass_of_whole_ranks(
     assert keys == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]  # 3 groups ahead trimmed to 2: 8 = 2x4
     assert tags[4] == {"seq_len": 9}
     assert t.ref_aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}
+
+
+def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_lent(monkeypatch):
+    """tide.ers.max_ref_ranks >= 1 with verl's Ref: the pool starts empty, so steps run colocated on verl's Ref
+    worker group (aggregated, timed for the cost model); once ERS lends a rank, the pool scores and a decoupled
+    step can run."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    from verl_tide.ra2p.cost import RA2PMode
+
+    verl_passes = []
+    monkeypatch.setattr(PPOTrainerSeparateAsync, "_compute_ref_log_prob",
+                        lambda self, batch, metrics: verl_passes.append(list(batch.keys)) or batch)
+    t, ns = _trainer(mode="auto", ref_service=object(), chosen=RA2PMode.DECOUPLED)
+    t.ref_pool = _Pool(replicas=0)
+    t._ref_pool_wanted = False
+    t.ref_in_actor = False
+    t.ref_policy_wg = SimpleNamespace(world_size=1)
+    assert t._step_ra2p_mode() is RA2PMode.COLOCATED  # decoupled was chosen, but no Ref replica is up
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    assert verl_passes == [["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]] and t.ref_pool.passes == []
+    assert t.stage_timer._rate["ref"] > 0  # measured on verl's pass: 40 tokens
+    t.ref_pool.replicas.append(object())  # ERS lent a rollout rank to Ref
+    assert t._step_ra2p_mode() is RA2PMode.DECOUPLED
+    t.local_trigger_step = 1
+    t._compute_ref_log_prob(_batch(ns, "ef"), {})
+    assert t.ref_pool.passes == [["e_0", "e_1", "f_0", "f_1"]] and len(verl_passes) == 1

@@ -32,6 +32,7 @@ class _Replica:
 
     def __init__(self, fail: bool = False):
         self.servers: list = []
+        self.workers: list = []
         self.fail = fail
         self.launches = 0
         self.server_address = "127.0.0.1:9001"
@@ -72,10 +73,14 @@ def _setup(max_restarts):
 
     from verl_tide.rollout_restart import RankRestarts
 
+    class Restarts(RankRestarts):
+        def _new_workers(self, replica, job):  # verl's RayWorkerGroup in the replica's pool: run in the e2e test
+            return [ray.remote(_Server).remote()]
+
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     balancer = ray.remote(_Balancer).remote()
     manager = _CheckpointManager()
-    return RankRestarts(balancer, manager, max_restarts=max_restarts, timeout_s=60), balancer, manager
+    return Restarts(balancer, manager, max_restarts=max_restarts, timeout_s=60), balancer, manager
 
 
 def test_a_relaunched_rank_gets_the_sync_first_then_tasks(ray_cpu_cluster):
@@ -85,6 +90,8 @@ def test_a_relaunched_rank_gets_the_sync_first_then_tasks(ray_cpu_cluster):
     dead = ray.remote(_Server).remote()
     replica = _Replica()
     replica.servers.append(dead)  # the server that died
+    old_worker = ray.remote(_Server).remote()
+    replica.workers.append(old_worker)
     replicas = [_Replica(), replica]
     assert restarts.start(1, replica)
     assert not restarts.start(1, replica)  # already relaunching
@@ -94,6 +101,9 @@ def test_a_relaunched_rank_gets_the_sync_first_then_tasks(ray_cpu_cluster):
     assert manager.replicas == [replica]  # the coming sync pushes the current weights to it
     assert ray.get(balancer.get_calls.remote()) == []  # no tasks before it has them
     assert replica.servers != [dead] and len(replica.servers) == 1  # the dead server was replaced
+    assert replica.workers != [old_worker] and len(replica.workers) == 1  # and its workers (one may hang)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(old_worker.get_server_address.remote(), timeout=30)
     assert restarts.after_sync(replicas) == [1]
     assert ray.get(balancer.get_calls.remote()) == [(replica.server_address,)]
     assert restarts.after_sync(replicas) == []

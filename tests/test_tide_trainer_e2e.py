@@ -157,6 +157,32 @@ def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_
     assert re.search(r"RA2P: .*\d+ Ref passes, \d+ samples scored ahead", run.output)
 
 
+def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_elastic_pool(job, tmp_path_factory):
+    """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPU (on this test bed its engine is
+    built with forward_only=false, see README). One mini-batch per step and tide.ra2p.max_aggregate=2: a step's
+    Ref pass also scores up to 2 ready groups the next steps train. tide.ers.max_ref_ranks=1 puts an empty
+    elastic Ref pool beside it and installs the deferred-KL loss; with one rollout rank ERS can lend none, so
+    every step runs colocated, and the installed loss takes verl's path (ref_log_prob in the data)."""
+    work = tmp_path_factory.mktemp("tide_verl_ref")
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
+    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
+                                                        "tide.ers.max_ref_ranks=1"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert "verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend up to 1" \
+        in run.output
+    # Step 1: Ref (verl's worker group) and Actor hold the same weights: verl's KL loss is 0; later it is not.
+    assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
+    assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
+    last = steps[STEPS]
+    assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] == STEPS
+    assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last  # rollout runs ahead of the trainer
+    assert all(steps[n]["tide/ra2p/step_mode_decoupled"] == 0 for n in steps)
+    assert last["tide/ers/ranks_ref"] == 0 and last["tide/ra2p/ref_replicas"] == 0
+
+
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):
     """tide.ra2p.mode=decoupled: Ref starts on its own rank when a mini-batch is sampled; the Actor's installed
     deferred-KL loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without
@@ -315,25 +341,26 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]
 
 
-def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_lost(
-        tiny_model_path, env_service_url, tmp_path_factory):
+def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_lost(tiny_model_path, tmp_path_factory):
     """Two rollout ranks; after step 1 one rank's server process is killed (SIGKILL). It is quarantined (its
     turns re-sent to the other rank), its server is relaunched in the background on the same workers, and at
     a later weight sync it rejoins with the current weights and takes tasks again. Every group is accounted
-    for, none failed."""
+    for, none failed. The environment is slowed down (about 0.4 s a turn) and rollout may not run ahead
+    (tide.max_staleness=0), so the steps outlast the relaunch (new rollout workers and a vLLM-CPU start-up,
+    about a minute here)."""
     import os
     import signal
     import subprocess
 
-    steps_total = 6
+    steps_total = 24
     work = tmp_path_factory.mktemp("tide_fault")
-    train = write_env_task_parquet(work / "train.parquet", 48, env="tiny_slow")
+    train = write_env_task_parquet(work / "train.parquet", 64, env="tiny_slow")
     val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=3,
                   steps=steps_total, prompt_length=128, response_length=96)
     overrides = with_overrides(grpo_overrides(job), [
         *tide_overrides(job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8"])
+        "tide.env.max_tokens_per_turn=8", "tide.max_staleness=0"])
     killed: list[int] = []
 
     def kill_one_rollout_server(line: str) -> None:
@@ -344,8 +371,13 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
         os.kill(int(pids[-1]), signal.SIGKILL)
         killed.append(int(pids[-1]))
 
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=1200,
-                       on_line=kill_one_rollout_server)
+    env_proc, env_service_url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
+    try:
+        run = run_main_ppo(with_overrides(overrides, [f"tide.env.url={env_service_url}"]), cwd=work,
+                           log_path=work / "main_ppo.log", timeout_s=1200, on_line=kill_one_rollout_server)
+    finally:
+        env_proc.send_signal(signal.SIGTERM)
+        env_proc.communicate(timeout=30)
     assert killed, "the run never reached step 1"
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)

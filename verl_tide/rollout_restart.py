@@ -2,9 +2,12 @@
 rollout at a weight-sync boundary.
 
 A rollout rank whose server process died is quarantined by trainer `tide` (no tasks, no syncs). Its
-replica's workers, placement group and GPUs usually survive (a crashed or OOM-killed engine), so the
-rank need not stay lost: verl's `RolloutReplica.launch_servers()` starts a new server on the same
-workers. The relaunch (model load, engine start-up: tens of seconds) runs on a thread of its own
+replica's placement group (its GPUs) usually survives a crashed or OOM-killed engine, so the rank
+need not stay lost. The relaunch does what verl's `RolloutReplica.init_standalone()` does, minus
+creating a resource pool: it stops the replica's server and workers (a worker can hang in a weight
+sync with a dead server, seen on the test bed), starts new workers in the replica's own resource pool
+and calls verl's `launch_servers()`. The relaunch (model load, engine start-up: tens of seconds) runs
+on a thread of its own
 while training goes on; at the next post-update boundary a relaunched rank rejoins the checkpoint
 manager, so the sync pushes the current weights to it, and after the sync it rejoins the load
 balancer (CTB admits tasks to it again). A relaunch that fails leaves the rank quarantined; each rank
@@ -26,6 +29,7 @@ import ray
 
 @dataclass
 class _Relaunch:
+    rank: int
     replica: Any
     started: float
     done: threading.Event = field(default_factory=threading.Event)
@@ -53,23 +57,36 @@ class RankRestarts:
         if rank in self._running or self.restarts.get(rank, 0) >= self.max_restarts:
             return False
         self.restarts[rank] = self.restarts.get(rank, 0) + 1
-        job = _Relaunch(replica, time.perf_counter())
+        job = _Relaunch(rank, replica, time.perf_counter())
         self._running[rank] = job
         threading.Thread(target=self._relaunch, args=(job,), name=f"tide-relaunch-rank-{rank}", daemon=True).start()
         return True
 
-    @staticmethod
-    def _relaunch(job: _Relaunch) -> None:
+    def _relaunch(self, job: _Relaunch) -> None:
         replica = job.replica
         try:
-            for server in replica.servers:  # the dead one (and any node-mates): a relaunch starts them all anew
-                ray.kill(server)
+            for actor in [*replica.servers, *replica.workers]:  # the dead server, its node-mates, its workers
+                try:
+                    ray.kill(actor)
+                except Exception:  # already gone
+                    pass
             replica.servers.clear()  # verl's launch_servers appends the new servers to this list
+            replica.workers = self._new_workers(replica, job)
             asyncio.run(replica.launch_servers())
         except Exception as e:  # a relaunch that fails leaves the rank quarantined, training goes on
             job.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         job.seconds = time.perf_counter() - job.started
         job.done.set()
+
+    def _new_workers(self, replica: Any, job: _Relaunch) -> list:
+        """Rollout workers in the replica's own resource pool, as `init_standalone` builds them."""
+        from verl.single_controller.ray import RayWorkerGroup
+        from verl.utils.device import get_device_name
+
+        prefix = f"rollout_standalone_{replica.replica_rank}_relaunch{self.restarts[job.rank]}"
+        group = RayWorkerGroup(resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
+                               bin_pack=False, name_prefix=prefix, use_gpu=True, device_name=get_device_name())
+        return group.workers
 
     @property
     def relaunching(self) -> list[int]:

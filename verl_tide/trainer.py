@@ -105,6 +105,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness = ReadinessTracker(clock=self.clock)
         self.ledger = GoodputLedger(clock=self.clock)
         self.stage_timer = StageTimer()
+        self.ref_aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
         self._enable_hybrid_replicas = False  # rollout only on its own ranks
         # separate_async's __init__ checks its own config block; tide's layout was checked above.
         PPOTrainer.__init__(self, config)
@@ -131,7 +132,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._restored_roles: dict[int, Role] = {}
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
-        self.ref_aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
         self.restarts: Any = None  # relaunches of quarantined rollout ranks (rollout_restart.py)
 
     # ---- construction --------------------------------------------------------------------
@@ -191,6 +191,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
             actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
             self.actor_rollout_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self._ref_service_name)))
             how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
+        if not self._ref_pool_wanted:
+            print(f"verl-tide: verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend "
+                  f"up to {self.tide_config.ers.max_ref_ranks} rollout rank(s) to Ref replicas (decoupled placement; "
+                  f"{how})", flush=True)
+            return
         where = (f"{self.tide_config.ra2p.ref_ranks} Ref replica(s) on GPUs of their own" if self.tide_config.ra2p.ref_ranks
                  else "Ref replicas on elastic ranks only")
         print(f"verl-tide: {where} (RA2P decoupled placement; {how}); verl's Ref worker is not built", flush=True)
@@ -199,11 +204,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
         """The mode this step's mini-batches run in; it can change at every step boundary (`tide.ra2p.mode=auto`
         follows the cost model's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss;
         everything else runs colocated: the Actor waits for Ref, one Ref pass per burst of ready groups."""
-        if self.ref_service is None:
-            return RA2PMode.COLOCATED
+        if self.ref_service is None or not self._ref_replicas_up():
+            return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
         if self.tide_config.ra2p.mode == "decoupled":
             return RA2PMode.DECOUPLED
         return self.ra2p_mode or RA2PMode.DECOUPLED
+
+    def _ref_replicas_up(self) -> bool:
+        return self.ref_pool is not None and bool(self.ref_pool.replicas)
 
     def _compute_old_log_prob(self, batch, metrics: dict):
         """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
@@ -235,9 +243,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _compute_ref_log_prob(self, batch, metrics: dict):
         if self._ref_in_flight is not None:
             return batch  # decoupled: running since the sample; the Actor's backward waits for it
-        limit = self._aggregate_limit()
-        if self.ref_pool is None and limit == 0:
-            return super()._compute_ref_log_prob(batch, metrics)  # verl's order: a Ref pass per mini-batch
+        limit = self._aggregate_limit()  # 0: verl's order, a Ref pass per mini-batch
         # Colocated, ready-batch aggregation: one Ref pass scores this mini-batch and the ready groups the
         # next mini-batches will take, so those find their ref log-probs waiting (no Ref<->Actor swap).
         uids = {key.split("_")[0] for key in batch.keys}
@@ -247,11 +253,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
             tags = dict(zip(batch.keys, batch.tags))
             for _uid, group_tags in groups:
                 tags.update(group_tags)
-            if self.ref_pool is None:  # verl's Ref worker group splits a pass evenly over its ranks
+            if not self._ref_replicas_up():  # verl's Ref worker group splits a pass evenly over its ranks
                 own = list(batch.keys)
                 wg = self.actor_rollout_wg if self.ref_in_actor else self.ref_policy_wg
                 ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
-            self._score_ref(batch.partition_id, own + ahead, [tags[k] for k in own + ahead], metrics)
+            self._score_ref(batch, own + ahead, [tags[k] for k in own + ahead], metrics)
             self.ref_aggregator.record_burst(own, ahead)
         self.ref_aggregator.trained(list(batch.keys), ref_pass_ran=bool(own))
         metrics["tide/ra2p/ref_pass_samples"] = float(len(own) + len(ahead))
@@ -267,15 +273,23 @@ class TideTrainer(PPOTrainerSeparateAsync):
         groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
         return window_groups_left(self.parameter_sync_step, self.local_trigger_step, groups_per_mini_batch)
 
-    def _score_ref(self, partition_id: str, keys: list[str], tags: list[dict], metrics: dict) -> None:
-        """One Ref pass over these samples; `ref_log_prob` is in TransferQueue when it returns."""
-        if self.ref_pool is not None:
-            timing = self.ref_pool.compute(keys, partition_id, float(self.config.actor_rollout_ref.rollout.temperature))
+    def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict) -> None:
+        """One Ref pass over these samples (the mini-batch's and those scored ahead); `ref_log_prob` is in
+        TransferQueue when it returns."""
+        if self._ref_replicas_up():
+            timing = self.ref_pool.compute(keys, batch.partition_id,
+                                           float(self.config.actor_rollout_ref.rollout.temperature))
             self._observe_ref_workers(timing, metrics)
             return
         from transfer_queue import KVBatchMeta
 
-        super()._compute_ref_log_prob(KVBatchMeta(keys=keys, tags=tags, partition_id=partition_id), metrics)
+        # verl's Ref worker group; timed here (RA2P's t_ref) because a pass may score samples ahead
+        start = time.perf_counter()
+        meta = batch if keys == list(batch.keys) else KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id)
+        super()._compute_ref_log_prob(meta, metrics)
+        tokens = sum(int(tag.get("seq_len", 0) or 0) for tag in tags)
+        if tokens > 0:
+            self.stage_timer.observe("ref", tokens, time.perf_counter() - start)
 
     def _update_actor(self, batch, metrics: dict):
         batch = super()._update_actor(batch, metrics)
@@ -348,11 +362,16 @@ class TideTrainer(PPOTrainerSeparateAsync):
             raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: needs a Ref model "
                                    "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward); set it to 0"])
         self._ref_pool_wanted = bool(self.use_reference_policy and (ref_ranks or elastic_ref_only))
+        # verl's Ref stays on the trainer's GPUs (colocated) and ERS may lend rollout ranks to Ref replicas
+        # (decoupled) when tide.ers.max_ref_ranks >= 1 opts in: each holds a whole Ref model beside the engine.
+        beside_verl_ref = bool(self.use_reference_policy and ers.enabled and not self._ref_pool_wanted
+                               and (ers.max_ref_ranks or 0) >= 1)
         if self._ref_pool_wanted:
             self.use_reference_policy = False
         PPOTrainer._setup(self)  # actor (and Ref) worker groups, reward loop, no colocated rollout
         if self._ref_pool_wanted:
             self.use_reference_policy = True
+        if self._ref_pool_wanted or beside_verl_ref:
             self._start_ref_pool()
         self.standalone_server_manager = LLMServerManager.create(
             config=self.config, start_rank=0, load_balancer_cls=self._ctb_balancer_cls())
@@ -635,8 +654,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if step_tokens <= 0:
             return
         t = self.timing_raw
-        if "ref" in t and self.ref_pool is None:  # tide's Ref replicas report their own forward time
-            self.stage_timer.observe("ref", step_tokens, t["ref"])
+        # Ref's time per token is observed where each Ref pass runs (`_score_ref`, `_observe_ref_workers`).
         if "old_log_prob" in t:
             self.stage_timer.observe("act_f", step_tokens, t["old_log_prob"])
         if "update_actor" in t:
@@ -676,7 +694,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
         # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
-        ref_floor = 1 if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0 else 0
+        ref_floor = 1 if self._ref_pool_wanted and self.tide_config.ra2p.ref_ranks == 0 else 0
         plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, phase=self._ers_phase(),
                              ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None, ref_floor=ref_floor)
         m.update({
@@ -787,15 +805,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _ra2p_text(self) -> str:
         if not self.use_reference_policy:
             return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
-        if self.ra2p_mode is None:
-            return "measuring stage times"
         c = self.ref_aggregator.counters
-        aggregated = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
-                      f"{c.batches_without_ref_pass} mini-batches needed none")
+        passes = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
+                  f"{c.batches_without_ref_pass} mini-batches needed none")
+        chosen = "measuring stage times" if self.ra2p_mode is None else f"{self.ra2p_mode.value} chosen"
         if self.ref_pool is None:
-            return f"{self.ra2p_mode.value} chosen; colocated with verl's Ref ({aggregated})"
-        return (f"{self.ra2p_mode.value} chosen, next step runs {self._step_ra2p_mode().value} "
-                f"({len(self.ref_pool.replicas)} Ref replica(s); {aggregated})")
+            return f"{chosen}; colocated with verl's Ref ({passes})"
+        return (f"{chosen}; next step runs {self._step_ra2p_mode().value} "
+                f"({len(self.ref_pool.replicas)} Ref replica(s); {passes})")
 
     def _ledger_text(self) -> str:
         l = self.ledger
