@@ -75,6 +75,9 @@ def grpo_overrides(job: GRPOJob) -> list[str]:
         # verl builds a forward-only engine with FSDP2's CPUOffloadPolicy(pin_memory=True), and pinning needs an
         # accelerator; built as a trainable engine (never stepped), verl's own Ref runs on CPU.
         "actor_rollout_ref.ref.fsdp_config.forward_only=False",
+        "+actor_rollout_ref.ref.fsdp_config.mixed_precision={param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}",
+        "+actor_rollout_ref.ref.optim={_target_:verl.workers.config.FSDPOptimizerConfig,optimizer:AdamW,"
+        "optimizer_impl:torch.optim,lr:0.0,lr_scheduler_type:constant}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={job.ppo_mini_batch_size or job.train_batch_size}",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         f"actor_rollout_ref.actor.use_kl_loss={job.use_kl_loss}",
