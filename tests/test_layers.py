@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-PURE = ["verl_tide.config", "verl_tide.readiness", "verl_tide.ra2p.cost", "verl_tide.ers.policy", "verl_tide.ctb.policy", "verl_tide.ra2p.batching"]
+PURE = ["verl_tide.config", "verl_tide.readiness", "verl_tide.ra2p.cost", "verl_tide.ers.policy", "verl_tide.ctb.policy", "verl_tide.ra2p.batching",
+        "verl_tide.ra2p.aggregation"]
 HEAVY = ["verl", "ray", "torch", "omegaconf", "hydra", "vllm"]
 
 
