@@ -24,12 +24,12 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
   overlapping it) or colocated (ready-batch aggregation: one Ref pass scores the mini-batch and the
   ready groups the rest of the sync window trains, `ra2p/aggregation.py`; with verl's own Ref too).
 
-- elastic ranks (`ers/elastic.py`): with tide's Ref pool, ERS's plan is applied at the post-update
-  boundary, before the weight sync; a rollout rank hosts a Ref replica and comes back.
+- elastic ranks (`ers/elastic.py`): with tide's Ref pool (`tide.ra2p.ref_ranks >= 1`, Ref on elastic
+  ranks only with `tide.ers.min_ref_ranks >= 1`, or beside verl's own Ref with `tide.ers.max_ref_ranks
+  >= 1`), ERS's plan is applied at the post-update boundary, before the weight sync;
+- relaunch of quarantined rollout ranks (`rollout_restart.py`, `tide.max_rank_restarts`).
 
-Not yet (README "Limits"): the colocated zero-copy hand-off (Ref's log-probs go through TransferQueue);
-elastic ranks need tide's Ref pool (`tide.ra2p.ref_ranks >= 1`, or `tide.ers.min_ref_ranks >= 1`
-for Ref on elastic ranks only).
+Not yet (README "Limits"): the colocated zero-copy hand-off (Ref's log-probs go through TransferQueue).
 """
 
 from __future__ import annotations
