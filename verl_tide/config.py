@@ -101,7 +101,9 @@ class RA2PConfig:
     actors_per_ref_rank: int = field(
         default=4, metadata=_check(lambda x: x >= 1, ">= 1", "Actor ranks one decoupled Ref rank serves")
     )
-    zero_copy: bool = field(default=True, metadata=_help("colocated hand-off without serialization"))
+    zero_copy: bool = field(default=True, metadata=_help(
+        "decoupled hand-off of ref log-probs through Ray's shared-memory object store (read without a copy on "
+        "the Actor's node); false: serialized through the Ref service actor"))
     max_aggregate: Optional[int] = field(
         default=None,
         metadata=_check(lambda x: x >= 0, ">= 0 or null (null = the rest of the weight-sync window)",

@@ -29,7 +29,8 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
   >= 1`), ERS's plan is applied at the post-update boundary, before the weight sync;
 - relaunch of quarantined rollout ranks (`rollout_restart.py`, `tide.max_rank_restarts`).
 
-Not yet (README "Limits"): the colocated zero-copy hand-off (Ref's log-probs go through TransferQueue).
+Not yet (README "Limits"): a zero-copy hand-off in colocated mode (there Ref's log-probs go through
+TransferQueue; `tide.ra2p.zero_copy` covers the decoupled hand-off).
 """
 
 from __future__ import annotations
@@ -237,7 +238,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
                         fields=TensorDict({SAMPLE_ID_KEY: torch.tensor(ids, dtype=torch.int64)}, batch_size=[len(ids)]))
         pending = self.ref_pool.start(keys, batch.partition_id, float(self.config.actor_rollout_ref.rollout.temperature),
-                                      sample_ids=ids, service_name=self._ref_service_name)
+                                      sample_ids=ids, service_name=self._ref_service_name,
+                                      zero_copy=self.tide_config.ra2p.zero_copy)
         self._ref_in_flight = (pending, ids, time.perf_counter())
 
     def _compute_ref_log_prob(self, batch, metrics: dict):

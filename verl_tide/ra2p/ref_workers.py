@@ -15,6 +15,7 @@ Text models only (the replica runs a plain causal-LM forward; multi-modal inputs
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any, Optional
 
 import ray
@@ -93,6 +94,48 @@ class RefLogProbService:
         return sum(values) / len(values) if values else None
 
 
+class SharedRows:
+    """A batch's ref log-prob rows in Ray's shared-memory object store: one flat float32 array, put once by the
+    Ref replica; each sample's row is a slice of it. On the Actor's node `ray.get` maps the array without a
+    copy or deserialization (Ray's zero-copy read of numpy arrays), so the hand-off to the Actor's backward
+    costs one write into shared memory instead of two serializations through the service actor."""
+
+    def __init__(self, ref: Any, offsets: list[int]):
+        self.ref = ref  # ObjectRef of the flat array (nested in this object: Ray passes it unresolved)
+        self.offsets = offsets  # row i is flat[offsets[i]:offsets[i + 1]]
+
+    @classmethod
+    def put(cls, rows: list[torch.Tensor]) -> list[tuple[SharedRows, int]]:
+        import numpy as np
+
+        lengths = [int(r.numel()) for r in rows]
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        flat = np.concatenate([r.detach().to(torch.float32).numpy() for r in rows]) if rows else np.zeros(0, np.float32)
+        shared = cls(ray.put(flat), offsets)
+        return [(shared, i) for i in range(len(rows))]
+
+
+def materialize(items: list) -> list[torch.Tensor]:
+    """Rows as tensors: `(SharedRows, i)` items are read from the object store (each array fetched once,
+    mapped, not copied); plain tensors pass through."""
+    arrays: dict[int, Any] = {}
+    out = []
+    for item in items:
+        if isinstance(item, tuple):
+            shared, i = item
+            if id(shared) not in arrays:
+                arrays[id(shared)] = ray.get(shared.ref)
+            flat = arrays[id(shared)]
+            with warnings.catch_warnings():  # read-only shared memory: the backward copies rows, never writes them
+                warnings.simplefilter("ignore", UserWarning)
+                out.append(torch.from_numpy(flat[shared.offsets[i]:shared.offsets[i + 1]]))
+        else:
+            out.append(item)
+    return out
+
+
 class ServiceRefSource:
     """The Actor workers' `RefLogProbSource` (ra2p/loss.py): the job's `RefLogProbService`, found by name.
     Picklable, so it travels with the loss function to every Actor rank."""
@@ -107,7 +150,7 @@ class ServiceRefSource:
     def get(self, sample_ids: list[int], timeout_s: float) -> list[torch.Tensor]:
         if self._service is None:
             self._service = ray.get_actor(self.service_name)
-        return ray.get(self._service.get.remote(list(sample_ids), timeout_s))
+        return materialize(ray.get(self._service.get.remote(list(sample_ids), timeout_s)))
 
     def report_kl(self, value: float) -> None:
         if self._service is None:
@@ -140,9 +183,10 @@ class RefReplica:
         return tq
 
     def compute(self, keys: list[str], partition_id: str, temperature: float, sample_ids: Optional[list[int]] = None,
-                service_name: Optional[str] = None) -> dict[str, float]:
+                service_name: Optional[str] = None, zero_copy: bool = True) -> dict[str, float]:
         """Read the samples' sequences and score them; the log-probs go to TransferQueue as `ref_log_prob`, or,
-        in decoupled mode, to the `RefLogProbService` under `sample_ids`. Returns {tokens, seconds} of the forward."""
+        in decoupled mode, to the `RefLogProbService` under `sample_ids` (with `zero_copy`, as slices of one
+        array in Ray's shared-memory object store, `SharedRows`). Returns {tokens, seconds} of the forward."""
         from tensordict import TensorDict
 
         tq = self._tq()
@@ -157,7 +201,8 @@ class RefReplica:
             tokens += int(seq.shape[0])
         seconds = time.perf_counter() - start
         if service_name is not None:
-            ray.get(ray.get_actor(service_name).put.remote(list(sample_ids or []), rows))
+            handed = SharedRows.put(rows) if zero_copy else rows
+            ray.get(ray.get_actor(service_name).put.remote(list(sample_ids or []), handed))
         else:
             out = TensorDict({REF_FIELD: torch.nested.as_nested_tensor(rows, layout=torch.jagged)},
                              batch_size=[len(rows)])
@@ -201,7 +246,7 @@ class RefPool:
         ray.kill(replica)
 
     def start(self, keys: list[str], partition_id: str, temperature: float, sample_ids: Optional[list[int]] = None,
-              service_name: Optional[str] = None) -> list:
+              service_name: Optional[str] = None, zero_copy: bool = True) -> list:
         """Score every key (contiguous shares, one per replica); returns the replicas' pending results."""
         replicas = self.replicas
         n = len(replicas)
@@ -212,7 +257,8 @@ class RefPool:
             lo, hi = i * len(keys) // n, (i + 1) * len(keys) // n
             if hi > lo:
                 ids = None if sample_ids is None else sample_ids[lo:hi]
-                refs.append(replica.compute.remote(keys[lo:hi], partition_id, temperature, ids, service_name))
+                refs.append(replica.compute.remote(keys[lo:hi], partition_id, temperature, ids, service_name,
+                                                   zero_copy))
         return refs
 
     @staticmethod
