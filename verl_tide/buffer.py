@@ -35,15 +35,15 @@ class TideReplayBuffer(ReplayBufferAsync):
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
 
+    def _group_tags(self, partition_id: str, uid: str) -> dict[str, dict]:
+        """{sample key: TransferQueue tag} of a group's trajectories (verl keys them `{uid}_{index}`)."""
+        prefix = f"{uid}_"
+        return {key: tag for key, tag in self.partitions[partition_id].items() if key.startswith(prefix)}
+
     def _group_size(self, partition_id: str, uid: str) -> tuple[int, int]:
         """(samples, tokens) of a group from its trajectories' TransferQueue tags."""
-        prefix = f"{uid}_"
-        samples = tokens = 0
-        for key, tag in self.partitions[partition_id].items():
-            if key.startswith(prefix):
-                samples += 1
-                tokens += int(tag.get("seq_len", 0) or 0)
-        return samples, tokens
+        tags = self._group_tags(partition_id, uid).values()
+        return len(tags), sum(int(tag.get("seq_len", 0) or 0) for tag in tags)
 
     def _sync_metadata_from_transfer_queue(self):
         super()._sync_metadata_from_transfer_queue()
@@ -65,7 +65,7 @@ class TideReplayBuffer(ReplayBufferAsync):
                 samples, tokens = self._group_size(TRAIN, uid)
                 self.ledger.settle(uid, outcome, samples, tokens)
                 if self.on_evicted is not None:
-                    self.on_evicted([k for k in self.partitions[TRAIN] if k.startswith(f"{uid}_")])
+                    self.on_evicted(list(self._group_tags(TRAIN, uid)))
                 self.readiness.micro_batch_dropped(uid)
         return super()._evict_terminal_groups(global_steps, partition_id, eviction_reasons)
 
@@ -80,11 +80,7 @@ class TideReplayBuffer(ReplayBufferAsync):
         sampleable = self._sampleable_terminal_keys(TRAIN, reasons) - set(exclude)
         steps = self.prompt_global_steps[TRAIN]
         chosen = sorted(sampleable, key=lambda uid: steps.get(uid, 0))[:limit]
-        groups = []
-        for uid in chosen:
-            prefix = f"{uid}_"
-            groups.append((uid, {k: t for k, t in self.partitions[TRAIN].items() if k.startswith(prefix)}))
-        return groups
+        return [(uid, self._group_tags(TRAIN, uid)) for uid in chosen]
 
     def _stop_if_nothing_succeeds(self, failed: set[str]) -> None:
         """verl refills failed groups forever; when every group fails (a dead router or engine), stop."""

@@ -7,10 +7,9 @@ need not stay lost. The relaunch does what verl's `RolloutReplica.init_standalon
 creating a resource pool: it stops the replica's server and workers (a worker can hang in a weight
 sync with a dead server, seen on the test bed), starts new workers in the replica's own resource pool
 and calls verl's `launch_servers()`. The relaunch (model load, engine start-up: tens of seconds) runs
-on a thread of its own
-while training goes on; at the next post-update boundary a relaunched rank rejoins the checkpoint
-manager, so the sync pushes the current weights to it, and after the sync it rejoins the load
-balancer (CTB admits tasks to it again). A relaunch that fails leaves the rank quarantined; each rank
+on a thread of its own while training goes on; at the next post-update boundary a relaunched rank
+rejoins the checkpoint manager, so the sync pushes the current weights to it, and after the sync it
+rejoins the load balancer (CTB admits tasks to it again). A relaunch that fails leaves the rank quarantined; each rank
 is relaunched at most `max_restarts` times.
 
 Mechanism layer: Ray and verl's replica/balancer/checkpoint-manager objects, through their methods.
