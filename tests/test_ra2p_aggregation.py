@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.handoff import SampleIds
 
 
 def _group(uid, n=2):
@@ -83,12 +84,17 @@ class _Buffer:
 
 class _Pool:
     def __init__(self, replicas=1):
-        self.passes = []
+        self.passes, self.handed = [], []
         self.replicas = [object()] * replicas
 
-    def compute(self, keys, partition_id, temperature):
+    def start(self, keys, partition_id, temperature, sample_ids=None, service_name=None):
         self.passes.append(list(keys))
-        return {"tokens": 10.0 * len(keys), "seconds": 0.1, "replicas": 1.0}
+        self.handed.append((sample_ids, service_name))
+        return [{"tokens": 10.0 * len(keys), "seconds": 0.1}]
+
+    @staticmethod
+    def finish(pending):
+        return {**pending[0], "replicas": 1.0}
 
 
 def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
@@ -109,6 +115,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
     t._ref_pool_wanted = True
     t._ref_in_flight = None
+    t._handoff, t.sample_ids, t._released_ids = False, SampleIds(), []
     t.stage_timer = StageTimer()
     t.replay_buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
     return t, SimpleNamespace
@@ -225,3 +232,97 @@ def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_l
     t.local_trigger_step = 1
     t._compute_ref_log_prob(_batch(ns, "ef"), {})
     assert t.ref_pool.passes == [["e_0", "e_1", "f_0", "f_1"]] and len(verl_passes) == 1
+
+
+def _handoff_trainer(monkeypatch, **kwargs):
+    t, ns = _trainer(**kwargs)
+    t._handoff, t._ref_service_name = True, "svc"
+    written = []
+
+    def put_ids(keys, partition_id):  # unit only: TransferQueue is not running here
+        ids = t.sample_ids.assign(keys)
+        written.append(dict(zip(keys, ids)))
+        return ids
+
+    monkeypatch.setattr(t, "_put_sample_ids", put_ids)
+    return t, ns, written
+
+
+def test_with_the_handoff_a_colocated_pass_on_ref_replicas_sends_rows_by_sample_id(monkeypatch):
+    """tide.ra2p.zero_copy: the burst's rows go to the Ref service under fresh sample ids (written to the
+    samples' data), not to TransferQueue; a sample scored ahead keeps its id until its mini-batch trains."""
+    t, ns, written = _handoff_trainer(monkeypatch, mode="colocated")
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    (ids, service), = t.ref_pool.handed
+    assert service == "svc" and ids == list(range(8))
+    assert written == [{k: i for i, k in enumerate(["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"])}]
+    assert t.sample_ids.release(["c_1", "zz"]) == [5]  # ahead, not trained yet: still known
+
+
+def test_with_the_handoff_verls_ref_worker_group_runs_the_handoff_pass_with_the_service_name(monkeypatch):
+    from types import SimpleNamespace
+
+    from verl_tide.ra2p.handoff_worker import SERVICE_KEY
+
+    calls = []
+    t, ns, written = _handoff_trainer(monkeypatch, mode="auto", max_aggregate=1)
+    t.ref_pool = None
+    t.ref_in_actor = False
+    t.ref_policy_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append)
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    (meta,), = [calls]
+    assert list(meta.keys) == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1"]
+    assert meta.extra_info[SERVICE_KEY] == "svc" and meta.extra_info["compute_loss"] is False
+    assert meta.extra_info["temperature"] == 1.0
+    assert list(written[0]) == list(meta.keys)
+
+
+def test_after_an_update_the_trained_and_evicted_samples_rows_are_discarded(monkeypatch):
+    """Rows leave the service and every Ref rank's process once their samples trained or verl evicted them."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    monkeypatch.setattr(PPOTrainerSeparateAsync, "_update_actor", lambda self, b, m: b)  # unit only
+    t, ns, _ = _handoff_trainer(monkeypatch, mode="colocated")
+    discarded = []
+
+    class _Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    t.ref_service = SimpleNamespace(discard=_Remote(lambda ids: discarded.append(list(ids))),
+                                    stats=_Remote(lambda: {"put": 8, "served": 2, "held": 0}),
+                                    take_kl=_Remote(lambda: 0.25))
+    ranks_told = []
+    t.ref_policy_wg = SimpleNamespace(discard_ref_handoff=lambda ids: ranks_told.append(list(ids)) or [
+        {"put": 4, "served_in_process": 3, "held": 1}, {"put": 4, "served_in_process": 3, "held": 0}])
+    monkeypatch.setattr("ray.get", lambda x: x)
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})  # ids 0-3 own, 4-7 ahead (c, d)
+    t._forget_scored(["d_0", "d_1"])  # verl evicts group d before it trains
+    metrics = {}
+    t._update_actor(_batch(ns, "ab"), metrics)
+    assert discarded == [[0, 1, 2, 3, 6, 7]] and ranks_told == discarded
+    assert metrics["tide/ra2p/handoff_served_in_process"] == 6.0 and metrics["tide/ra2p/handoff_held"] == 1.0
+    assert metrics["actor/kl_loss"] == 0.25 and metrics["tide/ra2p/ref_service_served"] == 2.0
+    assert t.ref_aggregator.scored == {"c_0", "c_1"}
+
+
+def test_sample_ids_are_fresh_per_pass_and_released_once():
+    ids = SampleIds()
+    assert ids.assign(["a", "b"]) == [0, 1]
+    assert ids.assign(["b", "c"]) == [2, 3]  # scored again: a new id (its old row is never asked for)
+    assert ids.release(["b", "x"]) == [2] and ids.release(["b"]) == []
+    assert len(ids) == 2
+
+
+def test_the_process_handoff_refuses_rows_without_ids():
+    import torch
+
+    from verl_tide.ra2p.handoff import ProcessHandoff
+
+    store = ProcessHandoff()
+    with pytest.raises(ValueError, match="2 sample ids for 1 ref log-prob rows"):
+        store.put_rows([1, 2], [torch.zeros(3)])
+    store.put_rows([1], [torch.ones(3)])
+    assert list(store.present([1, 5])) == [1] and store.stats() == {"put": 1, "served_in_process": 1, "held": 1}

@@ -51,3 +51,34 @@ def test_rows_reach_the_backward_unchanged_and_zero_copy_hands_over_shared_memor
     ray.get(service.discard.remote([7, 8, 9]))
     assert ray.get(service.stats.remote())["held"] == 0
     ray.kill(service)
+
+
+def test_the_actors_source_takes_rows_its_own_process_holds_and_the_rest_from_the_service(ray_cpu_cluster):
+    """Colocated hand-off: the Ref role of the Actor's process left some rows in it (PROCESS_HANDOFF); the
+    backward takes those as they are (the same tensors) and only the others from the service (another Ref
+    rank's, in shared memory)."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    from verl_tide.ra2p.handoff import PROCESS_HANDOFF
+    from verl_tide.ra2p.ref_workers import RefLogProbService, ServiceRefSource
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    name = "test_ref_service_colocated"
+    service = ray.remote(RefLogProbService).options(name=name).remote()
+    mine = [torch.randn(4), torch.randn(2)]
+    other = [torch.randn(3)]
+    PROCESS_HANDOFF.put_rows([100, 101], mine)
+    ray.get(ray.remote(_ref_rank).remote(name, [102], other, True))
+    before = PROCESS_HANDOFF.stats()["served_in_process"]
+    got = ServiceRefSource(name).get([102, 100, 101], timeout_s=30)
+    assert got[1] is PROCESS_HANDOFF.present([100])[100]  # no copy: the tensor the Ref pass left
+    torch.testing.assert_close(got[0], other[0])
+    torch.testing.assert_close(got[2], mine[1])
+    assert ray.get(service.stats.remote())["served"] == 1  # only the other rank's row went through the service
+    assert PROCESS_HANDOFF.stats()["served_in_process"] - before == 3  # 2 for the backward, 1 for the check
+    PROCESS_HANDOFF.discard([100, 101])
+    assert PROCESS_HANDOFF.stats()["held"] == 0
+    ray.kill(service)

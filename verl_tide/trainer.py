@@ -59,6 +59,7 @@ from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
 from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.ra2p.cost import (RA2PMode, StageTimer, choose_mode, decoupled_break_even_ras,
                                  ref_ranks_for_decoupled)
 from verl_tide.readiness import ReadinessTracker
@@ -127,7 +128,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ref_service: Any = None  # decoupled mode: where the Actor's backward picks ref log-probs up
         self._ref_service_name = ""
         self._ref_in_flight: Optional[tuple] = None
-        self._next_sample_id = 0
+        self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
+        self._released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
+        # RA2P's hand-off outside TransferQueue (tide.ra2p.zero_copy): needs the KL term in the Actor's loss, which
+        # reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's).
+        self._handoff = bool(self.use_reference_policy and self.tide_config.ra2p.zero_copy
+                             and config.actor_rollout_ref.actor.get("use_kl_loss", False)
+                             and not config.algorithm.get("use_kl_in_reward", False))
         self._ref_pool_wanted = False
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
@@ -149,8 +156,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
             train_batch_size=int(self.config.data.train_batch_size),
         )
-        buffer.on_evicted = self.ref_aggregator.forget  # scored ahead, then dropped: never trained
+        buffer.on_evicted = self._forget_scored
         return buffer
+
+    def _forget_scored(self, keys: list[str]) -> None:
+        """Samples scored ahead whose group verl evicted (stale, filtered, failed): never trained."""
+        self.ref_aggregator.forget(keys)
+        self._released_ids.extend(self.sample_ids.release(keys))
 
     def _init_dataloader(self):
         super()._init_dataloader()
@@ -160,17 +172,24 @@ class TideTrainer(PPOTrainerSeparateAsync):
     # ---- Ref on ranks of its own (tide.ra2p.ref_ranks) -------------------------------------
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
+        from verl.trainer.ppo.utils import Role as VerlRole
+
         if self._ref_pool_wanted:  # set by _setup before verl builds its worker groups
             # verl's Ref would share the trainer's GPUs; tide's Ref replicas get GPUs of their own instead.
-            from verl.trainer.ppo.utils import Role as VerlRole
-
             self.role_worker_mapping.pop(VerlRole.RefPolicy, None)
             self.mapping.pop(VerlRole.RefPolicy, None)
+        elif self._handoff and VerlRole.RefPolicy in self.role_worker_mapping:
+            import ray
+
+            from verl_tide.ra2p.handoff_worker import TideRefWorker
+
+            # verl's own Ref worker (in the Actor's process), plus the colocated hand-off (ra2p/handoff.py)
+            self.role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
+        else:
+            self._handoff = False  # Ref inside the Actor (LoRA): verl's path through TransferQueue
 
     def _start_ref_pool(self) -> None:
-        import ray
-
-        from verl_tide.ra2p.ref_workers import RefLogProbService, RefPool, ServiceRefSource
+        from verl_tide.ra2p.ref_workers import RefPool
 
         model = self.config.actor_rollout_ref.model
         dtype = str(self.config.actor_rollout_ref.ref.fsdp_config.get("model_dtype", "bfloat16") or "bfloat16")
@@ -185,12 +204,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
                                    "the Actor's backward, so algorithm.use_kl_in_reward must be false (use "
                                    "actor_rollout_ref.actor.use_kl_loss), or set tide.ra2p.mode to auto | colocated"])
         if self.tide_config.ra2p.mode == "decoupled" or (self.tide_config.ra2p.mode == "auto" and not kl_in_reward):
-            from verl_tide.ra2p.loss import DeferredKLLoss
-
-            self._ref_service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
-            self.ref_service = ray.remote(RefLogProbService).options(name=self._ref_service_name).remote()
-            actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-            self.actor_rollout_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self._ref_service_name)))
+            self._start_ref_service()
             how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
         if not self._ref_pool_wanted:
             print(f"verl-tide: verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend "
@@ -201,11 +215,26 @@ class TideTrainer(PPOTrainerSeparateAsync):
                  else "Ref replicas on elastic ranks only")
         print(f"verl-tide: {where} (RA2P decoupled placement; {how}); verl's Ref worker is not built", flush=True)
 
+    def _start_ref_service(self) -> None:
+        """The Ref service (where ref log-probs wait by sample id) and the deferred-KL loss on the Actor, which
+        takes them from the service, or from its own process after a colocated hand-off."""
+        import ray
+
+        from verl_tide.ra2p.loss import DeferredKLLoss
+        from verl_tide.ra2p.ref_workers import RefLogProbService, ServiceRefSource
+
+        if self.ref_service is not None:
+            return
+        self._ref_service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
+        self.ref_service = ray.remote(RefLogProbService).options(name=self._ref_service_name).remote()
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        self.actor_rollout_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self._ref_service_name)))
+
     def _step_ra2p_mode(self) -> RA2PMode:
         """The mode this step's mini-batches run in; it can change at every step boundary (`tide.ra2p.mode=auto`
         follows the cost model's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss;
         everything else runs colocated: the Actor waits for Ref, one Ref pass per burst of ready groups."""
-        if self.ref_service is None or not self._ref_replicas_up():
+        if self.ref_service is None or not self._ref_replicas_up() or self.tide_config.ra2p.mode == "colocated":
             return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
         if self.tide_config.ra2p.mode == "decoupled":
             return RA2PMode.DECOUPLED
@@ -224,23 +253,27 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self._start_deferred_ref(batch)
         return super()._compute_old_log_prob(batch, metrics)
 
-    def _start_deferred_ref(self, batch) -> None:
+    def _put_sample_ids(self, keys: list[str], partition_id: str) -> list[int]:
+        """Fresh ids for these samples, written to TransferQueue: the Actor's loss reads each sample's id from
+        its data, then asks for its ref log-probs by it."""
         import torch
         import transfer_queue as tq
         from tensordict import TensorDict
 
         from verl_tide.ra2p.loss import SAMPLE_ID_KEY
 
-        keys = list(batch.keys)
-        ids = list(range(self._next_sample_id, self._next_sample_id + len(keys)))
-        self._next_sample_id += len(keys)
-        # The Actor's loss reads each sample's id from its data (TransferQueue), then asks the service for it.
-        tq.kv_batch_put(keys=keys, partition_id=batch.partition_id,
+        ids = self.sample_ids.assign(keys)
+        tq.kv_batch_put(keys=keys, partition_id=partition_id,
                         fields=TensorDict({SAMPLE_ID_KEY: torch.tensor(ids, dtype=torch.int64)}, batch_size=[len(ids)]))
+        return ids
+
+    def _start_deferred_ref(self, batch) -> None:
+        keys = list(batch.keys)
+        ids = self._put_sample_ids(keys, batch.partition_id)
         pending = self.ref_pool.start(keys, batch.partition_id, float(self.config.actor_rollout_ref.rollout.temperature),
                                       sample_ids=ids, service_name=self._ref_service_name,
                                       zero_copy=self.tide_config.ra2p.zero_copy)
-        self._ref_in_flight = (pending, ids, time.perf_counter())
+        self._ref_in_flight = (pending, time.perf_counter())
 
     def _compute_ref_log_prob(self, batch, metrics: dict):
         if self._ref_in_flight is not None:
@@ -276,38 +309,58 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return window_groups_left(self.parameter_sync_step, self.local_trigger_step, groups_per_mini_batch)
 
     def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict) -> None:
-        """One Ref pass over these samples (the mini-batch's and those scored ahead); `ref_log_prob` is in
-        TransferQueue when it returns."""
+        """One Ref pass over these samples (the mini-batch's and those scored ahead); when it returns their ref
+        log-probs are in TransferQueue (`ref_log_prob`) or, with the hand-off, where the Actor's loss finds them."""
+        temperature = float(self.config.actor_rollout_ref.rollout.temperature)
+        ids = self._put_sample_ids(keys, batch.partition_id) if self._handoff else None
         if self._ref_replicas_up():
-            timing = self.ref_pool.compute(keys, batch.partition_id,
-                                           float(self.config.actor_rollout_ref.rollout.temperature))
-            self._observe_ref_workers(timing, metrics)
+            pending = self.ref_pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
+                                          service_name=self._ref_service_name if self._handoff else None)
+            self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
             return
         from transfer_queue import KVBatchMeta
 
         # verl's Ref worker group; timed here (RA2P's t_ref) because a pass may score samples ahead
         start = time.perf_counter()
-        meta = batch if keys == list(batch.keys) else KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id)
-        super()._compute_ref_log_prob(meta, metrics)
+        if self._handoff:
+            from verl_tide.ra2p.handoff_worker import SERVICE_KEY
+
+            meta = KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id, extra_info={
+                "calculate_entropy": False, "compute_loss": False, "temperature": temperature,
+                SERVICE_KEY: self._ref_service_name})
+            self.ref_policy_wg.compute_ref_log_prob_handoff(meta)
+        else:
+            meta = batch if keys == list(batch.keys) else KVBatchMeta(keys=keys, tags=tags,
+                                                                       partition_id=batch.partition_id)
+            super()._compute_ref_log_prob(meta, metrics)
         tokens = sum(int(tag.get("seq_len", 0) or 0) for tag in tags)
         if tokens > 0:
             self.stage_timer.observe("ref", tokens, time.perf_counter() - start)
 
     def _update_actor(self, batch, metrics: dict):
         batch = super()._update_actor(batch, metrics)
-        if self.ref_service is not None and self._ref_in_flight is not None:
-            import ray
+        if self.ref_service is None:
+            return batch
+        import ray
 
-            pending, ids, started = self._ref_in_flight
+        if self._ref_in_flight is not None:
+            pending, started = self._ref_in_flight
             self._ref_in_flight = None
             self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
             metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
-            ray.get(self.ref_service.discard.remote(ids))
-            stats = ray.get(self.ref_service.stats.remote())
-            metrics.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
-            kl = ray.get(self.ref_service.take_kl.remote())
-            if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
-                metrics["actor/kl_loss"] = kl
+        # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.
+        released = self.sample_ids.release(batch.keys) + self._released_ids
+        self._released_ids = []
+        ray.get(self.ref_service.discard.remote(released))
+        stats = ray.get(self.ref_service.stats.remote())
+        metrics.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+        if self._handoff and getattr(self, "ref_policy_wg", None) is not None:
+            ranks = self.ref_policy_wg.discard_ref_handoff(released)
+            for k in ("put", "served_in_process", "held"):  # cumulative, summed over the ranks' processes
+                metrics[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
+        kl = ray.get(self.ref_service.take_kl.remote())
+        if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
+            metrics["actor/kl_loss"] = kl
         return batch
 
     def _observe_ref_workers(self, timing: dict, metrics: dict) -> None:
@@ -375,6 +428,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.use_reference_policy = True
         if self._ref_pool_wanted or beside_verl_ref:
             self._start_ref_pool()
+        if self._handoff:
+            self._start_ref_service()
+            print("verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy): ref log-probs reach the Actor's loss by "
+                  "sample id, from the Ref role of its own process or Ray's shared memory, not TransferQueue",
+                  flush=True)
         self.standalone_server_manager = LLMServerManager.create(
             config=self.config, start_rank=0, load_balancer_cls=self._ctb_balancer_cls())
         rollout_config = self.config.actor_rollout_ref.rollout
@@ -502,7 +560,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.readiness.micro_batch_ready(uid, max(samples, 1))
         self.ers._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state["ers_last_moved"].items()}
         self._restored_roles = {int(r): Role(role) for r, role in state.get("rollout_roles", {}).items()}
-        self.ref_aggregator.load_state_dict(state.get("ra2p_aggregation", {}))
+        aggregation = state.get("ra2p_aggregation", {})
+        if self._handoff:  # samples scored ahead left their rows in processes that are gone: score them again
+            aggregation = {**aggregation, "scored": []}
+        self.ref_aggregator.load_state_dict(aggregation)
         # CTB's router starts after this (in _setup); its counters and group probes are handed over there.
         self._restored_ctb_state = state.get("ctb")
         print(f"verl-tide: resumed from step {state['global_steps']}: {self._ledger_text()}", flush=True)

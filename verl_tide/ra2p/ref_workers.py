@@ -148,9 +148,16 @@ class ServiceRefSource:
         return {"service_name": self.service_name, "_service": None}
 
     def get(self, sample_ids: list[int], timeout_s: float) -> list[torch.Tensor]:
-        if self._service is None:
-            self._service = ray.get_actor(self.service_name)
-        return materialize(ray.get(self._service.get.remote(list(sample_ids), timeout_s)))
+        from verl_tide.ra2p.handoff import PROCESS_HANDOFF
+
+        # Colocated hand-off: the Ref role of this very process may have left the rows here (no copy at all).
+        rows = PROCESS_HANDOFF.present(sample_ids)
+        missing = [int(i) for i in sample_ids if int(i) not in rows]
+        if missing:
+            if self._service is None:
+                self._service = ray.get_actor(self.service_name)
+            rows.update(zip(missing, materialize(ray.get(self._service.get.remote(missing, timeout_s)))))
+        return [rows[int(i)] for i in sample_ids]
 
     def report_kl(self, value: float) -> None:
         if self._service is None:
