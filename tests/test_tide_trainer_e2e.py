@@ -108,13 +108,14 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1):
+def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1, extra: tuple[str, ...] = ()):
     """use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1), `mini_batches` updates per step."""
     work = tmp_path_factory.mktemp(f"tide_ref_{mode}")
     kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True,
                         "ppo_mini_batch_size": job.train_batch_size // mini_batches})
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
-                                                        f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3"])
+                                                        f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3",
+                                                        *extra])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
@@ -128,11 +129,17 @@ def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1):
     return run, steps, kl_job.train_batch_size * kl_job.rollout_n
 
 
-def test_ref_on_a_rank_of_its_own_feeds_verls_kl_loss(job, tmp_path_factory):
-    """Mode colocated (the Actor waits for Ref): verl's Ref worker (which cannot run on this CPU test bed) is
-    not built; a tide Ref replica writes ref_log_prob to TransferQueue, which verl's own loss reads."""
-    run, steps, _ = _kl_run(job, tmp_path_factory, "colocated")
+def test_ref_on_a_rank_of_its_own_hands_its_rows_to_the_actors_loss_through_shared_memory(job, tmp_path_factory):
+    """Mode colocated (the Actor waits for Ref), tide.ra2p.zero_copy (the default): verl's Ref worker is not
+    built; a tide Ref replica puts each pass's rows once into Ray's shared-memory object store, and the Actor's
+    installed loss takes them by sample id (no TransferQueue round trip); every row served, none left."""
+    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated")
     assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
+    assert "RA2P colocated hand-off (tide.ra2p.zero_copy)" in run.output
+    for n, m in steps.items():
+        assert m["tide/ra2p/step_mode_decoupled"] == 0, m
+        assert m["tide/ra2p/ref_service_put"] == m["tide/ra2p/ref_service_served"] == n * samples_per_step, m
+        assert m["tide/ra2p/ref_service_held"] == 0, m
     assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
     # One mini-batch per step: nothing to aggregate (the sync window ends with it), a Ref pass per mini-batch.
     assert steps[STEPS]["tide/ra2p/aggregation_samples_ahead"] == 0
@@ -143,8 +150,11 @@ def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_
     """Two mini-batches per step, colocated: the first mini-batch's Ref pass also scores the ready groups the
     second will take (read from verl's replay buffer, in its sampling order), so that one finds its ref
     log-probs in TransferQueue and runs no Ref pass; verl's KL loss, which needs ref_log_prob on every sample,
-    trains on both. Every mini-batch either ran a Ref pass or found all of its samples scored."""
-    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated", mini_batches=2)
+    trains on both. Every mini-batch either ran a Ref pass or found all of its samples scored.
+    tide.ra2p.zero_copy=false: verl's data path (ref_log_prob in TransferQueue), read by verl's own loss."""
+    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated", mini_batches=2,
+                                           extra=("tide.ra2p.zero_copy=false",))
+    assert "RA2P colocated hand-off" not in run.output
     last = steps[STEPS]
     trained_mini_batches = 2 * STEPS
     assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] \
@@ -161,8 +171,9 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPU (on this test bed its engine is
     built with forward_only=false, see README). One mini-batch per step and tide.ra2p.max_aggregate=2: a step's
     Ref pass also scores up to 2 ready groups the next steps train. tide.ers.max_ref_ranks=1 puts an empty
-    elastic Ref pool beside it and installs the deferred-KL loss; with one rollout rank ERS can lend none, so
-    every step runs colocated, and the installed loss takes verl's path (ref_log_prob in the data)."""
+    elastic Ref pool beside it; with one rollout rank ERS can lend none, so every step runs colocated. With
+    tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass leaves its rows in the worker
+    process, where the Actor's loss (same process) takes them; nothing goes through the Ref service."""
     work = tmp_path_factory.mktemp("tide_verl_ref")
     kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
@@ -181,6 +192,12 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last  # rollout runs ahead of the trainer
     assert all(steps[n]["tide/ra2p/step_mode_decoupled"] == 0 for n in steps)
     assert last["tide/ers/ranks_ref"] == 0 and last["tide/ra2p/ref_replicas"] == 0
+    # The colocated hand-off: every trained sample's row came from the process (one trainer rank: its own Ref
+    # role scored all of them); the rows of samples scored ahead and not trained yet are still held.
+    trained = STEPS * kl_job.train_batch_size * kl_job.rollout_n
+    assert last["tide/ra2p/handoff_served_in_process"] == trained, last
+    assert last["tide/ra2p/handoff_put"] >= trained + last["tide/ra2p/handoff_held"], last  # (+ evicted)
+    assert last["tide/ra2p/ref_service_put"] == last["tide/ra2p/ref_service_served"] == 0, last
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):

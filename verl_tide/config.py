@@ -102,8 +102,9 @@ class RA2PConfig:
         default=4, metadata=_check(lambda x: x >= 1, ">= 1", "Actor ranks one decoupled Ref rank serves")
     )
     zero_copy: bool = field(default=True, metadata=_help(
-        "decoupled hand-off of ref log-probs through Ray's shared-memory object store (read without a copy on "
-        "the Actor's node); false: serialized through the Ref service actor"))
+        "hand-off of ref log-probs to the Actor's loss outside TransferQueue: colocated, from verl's Ref role in "
+        "the Actor's own process; from Ref replicas, through Ray's shared-memory object store; false: verl's "
+        "TransferQueue path (colocated) and serialization through the Ref service actor (decoupled)"))
     max_aggregate: Optional[int] = field(
         default=None,
         metadata=_check(lambda x: x >= 0, ">= 0 or null (null = the rest of the weight-sync window)",

@@ -29,8 +29,8 @@ it is ready (no global-batch barrier), and pushes weights to every rollout rank 
   >= 1`), ERS's plan is applied at the post-update boundary, before the weight sync;
 - relaunch of quarantined rollout ranks (`rollout_restart.py`, `tide.max_rank_restarts`).
 
-Not yet (README "Limits"): a zero-copy hand-off in colocated mode (there Ref's log-probs go through
-TransferQueue; `tide.ra2p.zero_copy` covers the decoupled hand-off).
+- the colocated hand-off (`tide.ra2p.zero_copy`, `ra2p/handoff.py`): ref log-probs go from verl's Ref role
+  (subclassed) to the Actor's loss in the same worker process, not through TransferQueue.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class TideRefWorker(DetachActorWorker):
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
     def compute_ref_log_prob_handoff(self, data: TensorDict) -> TensorDict:
         """verl's Ref pass; the rows stay in this process (and, with several ranks, in shared memory), keyed by
-        each sample's `tide_sample_id`. Returns an empty batch: nothing goes to TransferQueue."""
+        each sample's `tide_sample_id`. Returns no batch: nothing goes to TransferQueue."""
         service_name = tu.pop(data, key=SERVICE_KEY, default=None)
         sample_ids = data[SAMPLE_ID_KEY].tolist()
         response_mask = data["response_mask"]
@@ -42,7 +42,7 @@ class TideRefWorker(DetachActorWorker):
                 from verl_tide.ra2p.ref_workers import SharedRows
 
                 ray.get(ray.get_actor(service_name).put.remote(sample_ids, SharedRows.put(rows)))
-        return TensorDict({}, batch_size=(0,))
+        return TensorDict({}, batch_size=[])  # no batch dimension: verl's bridge writes nothing to TransferQueue
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def discard_ref_handoff(self, sample_ids: list[int]) -> dict[str, Any]:
