@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         tq.init()
         service = "bench_ref_service"
-        ray.remote(RefLogProbService).options(name=service).remote()
+        keep = ray.remote(RefLogProbService).options(name=service).remote()  # a named actor lives while referenced
+        ray.get(keep.stats.remote())
         cases = [run_case(n, p, r, args.repeats, service) for n, p, r in ((64, 512, 1024), (256, 1024, 4096))]
         tq.close()
     finally:
