@@ -93,3 +93,16 @@ def test_without_a_ref_pool_restored_ref_roles_start_as_rollout_with_a_warning(c
     trainer._restore_ctb_and_roles()
     assert all(r is Role.ROLLOUT for r in trainer.rollout_roles.values())
     assert "every rank starts as rollout" in capsys.readouterr().out
+
+
+def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
+    """The readiness signals count sequences (a GRPO group of n is n); B_ideal must too, or a step's worth of
+    ready data (prompts x n sequences) would look like n steps' worth and hide every generation deficit."""
+    from omegaconf import OmegaConf
+
+    from verl_tide.config import parse_tide_config
+    from verl_tide.trainer import TideTrainer
+
+    job = OmegaConf.create({"data": {"train_batch_size": 16}, "actor_rollout_ref": {"rollout": {"n": 8}}})
+    assert TideTrainer.ideal_batch(parse_tide_config({}), job) == 128
+    assert TideTrainer.ideal_batch(parse_tide_config({"ers": {"ideal_batch": 40}}), job) == 40

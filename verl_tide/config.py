@@ -128,11 +128,13 @@ class ERSConfig:
     )
     min_batch: Optional[int] = field(
         default=None,
-        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = ideal_batch)", "B_min, smallest trainable batch"),
+        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = ideal_batch)",
+                        "B_min, smallest trainable batch, in sequences"),
     )
     ideal_batch: Optional[int] = field(
         default=None,
-        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = data.train_batch_size)", "B_ideal"),
+        metadata=_check(lambda x: x >= 1, ">= 1 or null (null = data.train_batch_size x actor_rollout_ref.rollout.n)",
+                        "B_ideal, in sequences (the unit of the ready volume)"),
     )
     max_moves_per_step: int = field(
         default=1, metadata=_check(lambda x: x >= 0, ">= 0", "ranks that may change role per step")

@@ -114,8 +114,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.parameter_sync_step = int(config.data.train_batch_size) // int(
             config.actor_rollout_ref.actor.ppo_mini_batch_size)
         self.hybrid_rollout_config = HybridRolloutSwitchConfig(enable_switch=False)
-        ideal = self.tide_config.ers.ideal_batch or int(config.data.train_batch_size)
-        self.ers = ERSPolicy(self.tide_config.ers, ideal_batch=ideal)
+        self.ers = ERSPolicy(self.tide_config.ers, ideal_batch=self.ideal_batch(self.tide_config, config))
         self.ra2p_mode: Optional[Any] = None
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
@@ -143,6 +142,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.restarts: Any = None  # relaunches of quarantined rollout ranks (rollout_restart.py)
 
     # ---- construction --------------------------------------------------------------------
+    @staticmethod
+    def ideal_batch(tide_config: Any, config: DictConfig) -> int:
+        """B_ideal in sequences, the unit of the readiness signals (ready volume, rollout rate): a step trains
+        data.train_batch_size prompts x rollout.n samples each."""
+        return tide_config.ers.ideal_batch or int(config.data.train_batch_size) * int(
+            config.actor_rollout_ref.rollout.get("n", 1))
+
     def _build_replay_buffer(self) -> TideReplayBuffer:
         sampler = self.config.trainer.v1.sampler
         buffer = TideReplayBuffer(
