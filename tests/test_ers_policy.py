@@ -208,3 +208,14 @@ def test_ref_floor_keeps_the_last_ref_rank_when_ref_has_no_ranks_of_its_own():
     for step in (3, 4, 5):
         assert p.plan(step, signals(gen=True, ready=2), r, ref_floor=1).moves == ()
     assert p.plan(6, signals(), r, phase=Phase.EVAL, ref_floor=0).moves  # with Ref ranks of its own it may go
+
+
+def test_the_elastic_batch_trains_whole_mini_batches_within_the_window():
+    from verl_tide.ers.policy import ERSPolicy
+
+    assert ERSPolicy.mini_batches(4, per_mini_batch=4, most=2) == 1
+    assert ERSPolicy.mini_batches(5, per_mini_batch=4, most=2) == 2  # rounded up: at least the batch trains
+    assert ERSPolicy.mini_batches(64, per_mini_batch=4, most=2) == 2  # never past verl's sync window
+    assert ERSPolicy.mini_batches(0, per_mini_batch=4, most=2) == 1
+    with pytest.raises(ValueError, match="per_mini_batch = 0"):
+        ERSPolicy.mini_batches(4, per_mini_batch=0, most=2)

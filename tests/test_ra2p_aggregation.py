@@ -111,6 +111,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t.config = OmegaConf.create({"data": {"train_batch_size": 4},
                                  "actor_rollout_ref": {"rollout": {"temperature": 1.0}}})
     t.parameter_sync_step, t.local_trigger_step, t.global_steps = 2, 0, 1
+    t._window_mini_batches = 2
     t.ref_aggregator = RefAggregator()
     t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
     t._ref_pool_wanted = True

@@ -459,3 +459,22 @@ def test_the_wait_strategy_drops_nothing_and_the_wait_is_trainer_wait_time(job, 
     m = steps[2]
     assert m["tide/ledger/groups_dropped_stale"] == 0 and m["tide/ledger/groups_consumed"] == 8
     assert all(s["tide/readiness/twt_s"] > 0 for s in steps.values())  # the trainer waited for ready groups
+
+
+def test_ers_elastic_batch_trains_fewer_mini_batches_before_the_sync(job, tmp_path_factory):
+    """tide.ers.ideal_batch=4 sequences (B_ideal, and B_min = B_ideal) where verl's step is 2 mini-batches of
+    2 prompts x 2 samples: ERS's elastic batch is one mini-batch, so each step trains 2 groups, then syncs."""
+    work = tmp_path_factory.mktemp("tide_elastic_batch")
+    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
+    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.ers.ideal_batch=4"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-5000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == [1, 2]
+    for n, m in steps.items():
+        assert m["tide/ers/step_mini_batches"] == 1 and m["tide/ers/elastic_batch"] == 4, m
+        assert m["tide/ledger/groups_consumed"] == 2 * n, m  # 2 groups a step, not verl's 4
+    m = steps[2]
+    settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                        "dropped_failed"))
+    assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]

@@ -115,6 +115,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             config.actor_rollout_ref.actor.ppo_mini_batch_size)
         self.hybrid_rollout_config = HybridRolloutSwitchConfig(enable_switch=False)
         self.ers = ERSPolicy(self.tide_config.ers, ideal_batch=self.ideal_batch(self.tide_config, config))
+        self._elastic_batch = self.ers.ideal_batch  # sequences the next step trains (ERS's plan, each boundary)
+        self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
         self.ra2p_mode: Optional[Any] = None
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
@@ -249,6 +251,39 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _ref_replicas_up(self) -> bool:
         return self.ref_pool is not None and bool(self.ref_pool.replicas)
 
+    # ---- ERS's elastic batch -------------------------------------------------------------
+    def step(self, metrics: dict, timing_raw: dict):
+        """verl's step, over the mini-batches of ERS's elastic batch: with tide.ers.min_batch < B_ideal and less
+        ready at the last boundary, the step trains fewer mini-batches and the weight sync comes sooner."""
+        n = int(self.config.actor_rollout_ref.rollout.get("n", 1))
+        per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step * n
+        count = self.ers.mini_batches(self._elastic_batch, per_mini_batch, self.parameter_sync_step)
+        self._window_mini_batches = count
+        metrics["tide/ers/step_mini_batches"] = float(count)
+        if count >= self.parameter_sync_step:
+            return super().step(metrics, timing_raw)
+        from transfer_queue import KVBatchMeta
+        from verl.trainer.ppo.v1.utils import MetricsAggregator
+
+        # PPOTrainer.step (verl 0.9.1) with `count` mini-batches instead of parameter_sync_step
+        sample_batch_size = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        aggregator = MetricsAggregator()
+        prepare_metrics = self.prepare_step()
+        if prepare_metrics:
+            aggregator.add_step_metrics(prepare_metrics)
+        keys, tags, partition_id = [], [], "train"
+        for trigger_idx in range(count):
+            self.local_trigger_step = trigger_idx
+            iter_metrics: dict = {}
+            batch = self._step_once(iter_metrics, timing_raw, sample_batch_size)
+            aggregator.add_step_metrics(iter_metrics,
+                                        sample_count=sum(not tag.get("is_padding", False) for tag in batch.tags))
+            keys.extend(batch.keys)
+            tags.extend(batch.tags)
+            partition_id = batch.partition_id
+        metrics.update(aggregator.get_aggregated_metrics())
+        return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+
     def _compute_old_log_prob(self, batch, metrics: dict):
         """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
         A batch with samples scored ahead by a colocated step's burst finishes colocated (never mixed)."""
@@ -312,7 +347,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if cap is not None:
             return cap
         groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
-        return window_groups_left(self.parameter_sync_step, self.local_trigger_step, groups_per_mini_batch)
+        return window_groups_left(self._window_mini_batches, self.local_trigger_step, groups_per_mini_batch)
 
     def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict) -> None:
         """One Ref pass over these samples (the mini-batch's and those scored ahead); when it returns their ref
@@ -666,6 +701,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.step_finished()
         step_metrics, plan, signals = self._scaling_plan()
         step_metrics.update(self._apply_plan(plan, signals))
+        self._elastic_batch = plan.batch_size
         relaunched = self.restarts.before_sync() if self.restarts is not None else []
         sync_start = self.clock()
         self._sync_weights()

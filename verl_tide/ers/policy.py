@@ -65,6 +65,14 @@ class ERSPolicy:
     def min_batch(self) -> int:
         return min(self.config.min_batch or self.ideal_batch, self.ideal_batch)
 
+    @staticmethod
+    def mini_batches(batch: int, per_mini_batch: int, most: int) -> int:
+        """The elastic batch (sequences) in whole mini-batches of `per_mini_batch` sequences, 1 to `most` (the
+        trainer's mini-batches per weight-sync window): rounded up, so at least `batch` sequences train."""
+        if per_mini_batch < 1 or most < 1:
+            raise ValueError(f"per_mini_batch = {per_mini_batch}, most = {most}: both must be >= 1")
+        return max(1, min(most, -(-batch // per_mini_batch)))
+
     def elastic_batch(self, ready_volume: int) -> int:
         """Consume what is ready, within [B_min, B_ideal]."""
         return max(self.min_batch, min(ready_volume, self.ideal_batch))
