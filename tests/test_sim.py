@@ -206,3 +206,19 @@ def test_bench_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--workload", "nope"])
     assert "not a preset" in capsys.readouterr().err
+
+
+def test_tide_trains_ers_elastic_batch_when_b_min_is_below_b_ideal():
+    """As trainer `tide` does: a step trains the plan's batch (what was ready, within [B_min, B_ideal]) in whole
+    micro-batches. B_min = B_ideal (the default) keeps every step full; B_min = 1 lets a step start small."""
+    from verl_tide.config import ERSConfig
+
+    w = load_workload(TINY)
+    full = Simulation(w, 8, TIDE, seed=3)
+    assert all(s["micro_batches"] == full.M for s in full.run().steps)
+    elastic = Simulation(w, 8, TIDE, seed=3, tide_ers=ERSConfig(min_batch=1))
+    r = elastic.run()
+    counts = [s["micro_batches"] for s in r.steps]
+    assert len(counts) == w.steps and min(counts) < elastic.M and all(1 <= c <= elastic.M for c in counts)
+    assert r.ledger["consumed_sequences"] == sum(counts) * elastic.mb_size
+    _trajectory_conservation(elastic)

@@ -182,6 +182,7 @@ class Simulation:
         self.step_open: Optional[dict] = None
         self.tracker = ReadinessTracker(clock=lambda: self.t)
         self.ers = ERSPolicy(tide_ers, ideal_batch=self.B) if spec.elastic else None
+        self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
         self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
@@ -393,11 +394,11 @@ class Simulation:
             self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode}
             self.tracker.step_started(t=start)
         step = self.step_open
-        while self.micro_batches and len(step["mbs"]) < self.M:
+        while self.micro_batches and len(step["mbs"]) < self._step_M:
             mb = self.micro_batches.popleft()
             self.tracker.micro_batch_consumed(mb[0], t=self.t)
             step["mbs"].append(mb)
-        if len(step["mbs"]) == self.M:
+        if len(step["mbs"]) == self._step_M:
             self._finish_step(step)
 
     def _hybrid(self, wake: bool) -> None:
@@ -487,6 +488,8 @@ class Simulation:
                                              self._stage_times(tok), self.spec.max_aggregate, len(roles))
         plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
+        # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
+        self._step_M = ERSPolicy.mini_batches(plan.batch_size, self.mb_size, self.M)
         rec_moves = self.step_records[-1].moves
         for move in plan.moves:
             rec_moves.append((move.rank, move.dst.value))
