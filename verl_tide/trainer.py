@@ -59,9 +59,9 @@ from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
 from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
-from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.ra2p.cost import (RA2PMode, StageTimer, choose_mode, decoupled_break_even_ras,
                                  ref_ranks_for_decoupled)
+from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.readiness import ReadinessTracker
 
 if TYPE_CHECKING:
