@@ -24,7 +24,7 @@ from verl_tide.sim.cluster import Result, Simulation, SystemSpec
 from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload
 
-RATIOS = (0.125, 0.25, 0.375, 0.5)
+RATIOS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # where the best lies at an end, the sweep is too short
 
 
 def oracle_goodput(w: Workload, gpus: int, hw: Hardware = Hardware(), samples: int = 4000, seed: int = 0) -> float:
