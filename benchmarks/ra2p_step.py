@@ -17,7 +17,8 @@ measured first and fed to the cost model (`verl_tide.ra2p.cost`); the chosen mod
 `choose_mode` picks from them. Prints a table; `--json PATH` writes
 {"patterns": [{"name", "chosen", "modes": {MODE: {"measured_s", "predicted_s"}}}], "stage_times": ...}.
 CPU: `python benchmarks/ra2p_step.py`. GPU (one device; decoupled then shares it between two
-processes): `python benchmarks/ra2p_step.py --device cuda --layers 24 --hidden 1024 --seq 1024`.
+processes; a 0.70B random-init Llama, torch and transformers only, no verl, no network):
+`bash benchmarks/ra2p_step_gpu.sh` (writes benchmarks/results/ra2p_step_<gpu name>.json).
 """
 
 from __future__ import annotations
@@ -231,6 +232,17 @@ def predict(mode: str, arrivals, times, m: int) -> float:
     return decoupled_cost(arrivals, times, actor_ranks=1)
 
 
+def hardware(device: str) -> str:
+    """What the numbers were measured on, for the results file."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -279,7 +291,8 @@ def main() -> None:
     print("(cells: measured s (predicted s))")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "model": {"layers": args.layers, "hidden": args.hidden},
+            json.dump({"device": args.device, "hardware": hardware(args.device),
+                       "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq},
                        "micro_batches": args.micro_batches, "stage_times": asdict(times), "patterns": rows}, f,
                       indent=2)
 
