@@ -116,7 +116,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
     t._ref_pool_wanted = True
     t._ref_in_flight = None
-    t._handoff, t.sample_ids, t._released_ids = False, SampleIds(), []
+    t._handoff, t.sample_ids, t._released_ids, t._handoff_counters = False, SampleIds(), [], {}
     t.stage_timer = StageTimer()
     t.replay_buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
     return t, SimpleNamespace
@@ -304,8 +304,9 @@ def test_after_an_update_the_trained_and_evicted_samples_rows_are_discarded(monk
     metrics = {}
     t._update_actor(_batch(ns, "ab"), metrics)
     assert discarded == [[0, 1, 2, 3, 6, 7]] and ranks_told == discarded
-    assert metrics["tide/ra2p/handoff_served_in_process"] == 6.0 and metrics["tide/ra2p/handoff_held"] == 1.0
-    assert metrics["actor/kl_loss"] == 0.25 and metrics["tide/ra2p/ref_service_served"] == 2.0
+    counters = t._handoff_counters  # logged at the step boundary: verl averages a step's mini-batch metrics
+    assert counters["tide/ra2p/handoff_served_in_process"] == 6.0 and counters["tide/ra2p/handoff_held"] == 1.0
+    assert metrics["actor/kl_loss"] == 0.25 and counters["tide/ra2p/ref_service_served"] == 2.0
     assert t.ref_aggregator.scored == {"c_0", "c_1"}
 
 

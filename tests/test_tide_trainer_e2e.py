@@ -322,11 +322,15 @@ def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factor
 
 
 def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_factory):
+    """With verl's Ref, the KL loss and the colocated hand-off: Ref passes score up to 4 groups ahead, so
+    samples scored before the checkpoint may be trained after it; their rows lived in the first job's
+    processes, so the resumed job scores them again (else the Actor's backward would wait for them)."""
     work = tmp_path_factory.mktemp("tide_resume")
     ckpt = work / "ckpt"
-    one_step = GRPOJob(**{**job.__dict__, "steps": 1, "default_local_dir": str(ckpt)})
+    one_step = GRPOJob(**{**job.__dict__, "steps": 1, "default_local_dir": str(ckpt), "use_kl_loss": True})
     # +tide=enabled's default agent loop (verl's single-turn loop, its trajectories' ends told to CTB).
-    overrides = with_overrides(grpo_overrides(one_step), [*tide_overrides(one_step), "trainer.save_freq=1"])
+    overrides = with_overrides(grpo_overrides(one_step), [*tide_overrides(one_step), "trainer.save_freq=1",
+                                                          "tide.ra2p.max_aggregate=4"])
     first = run_main_ppo(overrides, cwd=work, log_path=work / "first.log", timeout_s=900)
     assert first.returncode == 0, first.output[-5000:]
     assert (ckpt / "global_step_1" / "tide_state.json").exists()
@@ -356,6 +360,8 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                         "dropped_failed"))
     assert settled + m["tide/ledger/groups_in_flight"] == m["tide/ledger/groups_submitted"]
+    # Every sample step 2 trained found its ref log-probs in the process (scored again after the resume).
+    assert m["tide/ra2p/handoff_served_in_process"] == 8 and m["actor/kl_loss"] > 0, m
 
 
 def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_lost(tiny_model_path, tmp_path_factory):

@@ -131,6 +131,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._ref_in_flight: Optional[tuple] = None
         self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
         self._released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
+        self._handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
         # RA2P's hand-off outside TransferQueue (tide.ra2p.zero_copy): needs the KL term in the Actor's loss, which
         # reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's).
         self._handoff = bool(self.use_reference_policy and self.tide_config.ra2p.zero_copy
@@ -393,12 +394,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         released = self.sample_ids.release(batch.keys) + self._released_ids
         self._released_ids = []
         ray.get(self.ref_service.discard.remote(released))
+        # Cumulative counters go out with the step's own metrics: verl averages a step's mini-batch metrics.
         stats = ray.get(self.ref_service.stats.remote())
-        metrics.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+        self._handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
         if self._handoff and getattr(self, "ref_policy_wg", None) is not None:
             ranks = self.ref_policy_wg.discard_ref_handoff(released)
-            for k in ("put", "served_in_process", "held"):  # cumulative, summed over the ranks' processes
-                metrics[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
+            for k in ("put", "served_in_process", "held"):  # summed over the ranks' processes
+                self._handoff_counters[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
         kl = ray.get(self.ref_service.take_kl.remote())
         if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
             metrics["actor/kl_loss"] = kl
@@ -816,6 +818,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         })
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref_aggregator.counters.as_dict().items()})
+        m.update(self._handoff_counters)
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
         return m, plan, signals
