@@ -134,9 +134,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
         # RA2P's hand-off outside TransferQueue (tide.ra2p.zero_copy): needs the KL term in the Actor's loss, which
         # reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's).
+        # The installed deferred-KL loss is verified on verl's FSDP engines only: others keep verl's path.
         self._handoff = bool(self.use_reference_policy and self.tide_config.ra2p.zero_copy
                              and config.actor_rollout_ref.actor.get("use_kl_loss", False)
-                             and not config.algorithm.get("use_kl_in_reward", False))
+                             and not config.algorithm.get("use_kl_in_reward", False)
+                             and str(config.actor_rollout_ref.actor.get("strategy", "fsdp")).startswith("fsdp"))
         self._ref_pool_wanted = False
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
