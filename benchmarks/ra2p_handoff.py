@@ -12,8 +12,11 @@ exist in the worker" to "the Actor role holds them as tensors":
 - in_process: tide's hand-off within the worker (`PROCESS_HANDOFF`, `tide.ra2p.zero_copy`): the Ref
   role cuts the responses out and leaves them; the Actor role's source takes them.
 
+Also timed, for scale: `inputs_read`, the Actor role reading the samples' `input_ids` from
+TransferQueue, which it still does on every path (verl's data path; tide hands over log-probs only).
+
 The Ref forward itself is not timed (rows are made before). Prints a table; `--json PATH` writes
-{"cases": [{"samples", "prompt_len", "response_len", "paths": {PATH: {"median_s", "runs_s"}}}]}.
+{"cases": [{"samples", "prompt_len", "response_len", "paths": {PATH | "inputs_read": {"median_s", "runs_s"}}}]}.
 `python benchmarks/ra2p_handoff.py` (CPU, a few minutes on 2 cores).
 """
 
@@ -28,6 +31,7 @@ import ray
 import torch
 
 PATHS = ("transfer_queue", "shared_memory", "in_process")
+TIMED = (*PATHS, "inputs_read")
 
 
 def nested(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -61,6 +65,11 @@ class Worker:
 
         self.tq.kv_batch_put(keys=keys, partition_id=partition_id,
                              fields=TensorDict({"log_probs": nested(self.full)}, batch_size=[len(keys)]))
+
+    def tq_inputs_get(self, keys: list[str], partition_id: str) -> float:
+        start = time.perf_counter()
+        self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["input_ids"])
+        return time.perf_counter() - start
 
     def tq_actor_get(self, keys: list[str], partition_id: str) -> float:
         data = self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["ref_log_prob"])
@@ -98,12 +107,14 @@ def run_case(samples: int, prompt_len: int, response_len: int, repeats: int, ser
     lens = torch.randint(response_len // 2, response_len + 1, (samples,), generator=g).tolist()
     ref_rank, actor_rank = Worker.remote(), Worker.remote()
     ray.get([ref_rank.make.remote(prompt_len, lens, 0), actor_rank.make.remote(prompt_len, lens, 0)])
-    runs: dict[str, list[float]] = {p: [] for p in PATHS}
+    runs: dict[str, list[float]] = {p: [] for p in TIMED}
     checks: dict[str, float] = {}
     for rep in range(repeats):
         keys, partition = [f"s{rep}_{i}" for i in range(samples)], f"bench_{samples}_{response_len}"
         tq.kv_batch_put(keys=keys, partition_id=partition, fields=TensorDict(
-            {"response_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens])}, batch_size=[samples]))
+            {"response_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
+             "input_ids": nested([torch.randint(0, 32000, (prompt_len + n,)) for n in lens])}, batch_size=[samples]))
+        runs["inputs_read"].append(ray.get(actor_rank.tq_inputs_get.remote(keys, partition)))
         start = time.perf_counter()
         ray.get(actor_rank.tq_ref_put.remote(keys, partition))
         data = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=["log_probs", "response_mask"])
@@ -150,10 +161,10 @@ def main(argv: list[str] | None = None) -> dict:
         tq.close()
     finally:
         ray.shutdown()
-    print(f"{'samples':>8} {'prompt':>7} {'response':>9} " + " ".join(f"{p:>16}" for p in PATHS) + "   (median s)")
+    print(f"{'samples':>8} {'prompt':>7} {'response':>9} " + " ".join(f"{p:>16}" for p in TIMED) + "   (median s)")
     for c in cases:
         print(f"{c['samples']:>8} {c['prompt_len']:>7} {c['response_len']:>9} "
-              + " ".join(f"{c['paths'][p]['median_s']:>16.4f}" for p in PATHS))
+              + " ".join(f"{c['paths'][p]['median_s']:>16.4f}" for p in TIMED))
     result = {"cases": cases, "note": "CPU, Ray workers on one node, TransferQueue SimpleStorage; Ref forward not timed"}
     if args.json:
         with open(args.json, "w") as f:
