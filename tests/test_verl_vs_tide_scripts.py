@@ -50,3 +50,30 @@ def test_collect_refuses_a_log_without_step_lines(tmp_path):
     out = subprocess.run([sys.executable, str(HERE / "collect.py"), str(tmp_path / "tide.log")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "trainer.logger=[console]" in out.stderr
+
+
+def test_the_ra2p_step_gpu_variant_runs_a_half_to_one_and_a_half_billion_parameter_model():
+    """Issue 5's GPU variant (benchmarks/ra2p_step_gpu.sh): the model its flags build is 0.5-1.5B parameters
+    (counted on torch's meta device; nothing is allocated), and the script is valid bash."""
+    import argparse
+    import re
+    import shlex
+
+    import torch
+
+    script = HERE.parent / "ra2p_step_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, timeout=30).returncode == 0
+    command = re.search(r"ra2p_step\.py (.*?)--json", script.read_text().replace("\\\n", " "), re.S).group(1)
+    flags = dict(zip(*[iter(shlex.split(command))] * 2))
+    args = argparse.Namespace(device="meta", layers=int(flags["--layers"]), hidden=int(flags["--hidden"]),
+                              vocab=int(flags["--vocab"]), seq=int(flags["--seq"]))
+    sys.path.insert(0, str(HERE.parent))
+    try:
+        from ra2p_step import build
+    finally:
+        sys.path.pop(0)
+    with torch.device("meta"):
+        model = build(args, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    assert 0.5e9 <= params <= 1.5e9, params
+    assert flags["--device"] == "cuda"
