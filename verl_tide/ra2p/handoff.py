@@ -33,13 +33,14 @@ class ProcessHandoff(RefLogProbStore):
             raise ValueError(f"{len(sample_ids)} sample ids for {len(rows)} ref log-prob rows")
         for i, row in zip(sample_ids, rows):
             self.put(int(i), row)
-        self.counters["put"] += len(rows)
+        with self._cond:
+            self.counters["put"] += len(rows)
 
     def present(self, sample_ids: Sequence[int]) -> dict[int, torch.Tensor]:
         """The rows of these samples that this process holds (no wait): the rest come from the Ref service."""
         with self._cond:
             found = {int(i): self._data[int(i)] for i in sample_ids if int(i) in self._data}
-        self.counters["served_in_process"] += len(found)
+            self.counters["served_in_process"] += len(found)
         return found
 
     def stats(self) -> dict[str, int]:

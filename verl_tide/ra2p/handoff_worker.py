@@ -49,4 +49,3 @@ class TideRefWorker(DetachActorWorker):
         """Rows of trained (or evicted) samples leave the process; returns the process's hand-off counters."""
         PROCESS_HANDOFF.discard(sample_ids)
         return PROCESS_HANDOFF.stats()
-
