@@ -12,11 +12,14 @@ exist in the worker" to "the Actor role holds them as tensors":
 - in_process: tide's hand-off within the worker (`PROCESS_HANDOFF`, `tide.ra2p.zero_copy`): the Ref
   role cuts the responses out and leaves them; the Actor role's source takes them.
 
-Also timed, for scale: `inputs_read`, the Actor role reading the samples' `input_ids` from
-TransferQueue, which it still does on every path (verl's data path; tide hands over log-probs only).
+The inputs, from "the Ref pass read them" to "the Actor's update batch holds them":
+- inputs_read: verl's path, the Actor role reading the samples' sequence fields (`input_ids`,
+  `position_ids`, `response_mask`) from TransferQueue again.
+- inputs_in_process: tide's (`PROCESS_INPUTS`): the Ref role left the rows it read; the Actor role's
+  `restore_inputs` rebuilds the same fields from them (one copy into the batch's nested tensors).
 
 The Ref forward itself is not timed (rows are made before). Prints a table; `--json PATH` writes
-{"cases": [{"samples", "prompt_len", "response_len", "paths": {PATH | "inputs_read": {"median_s", "runs_s"}}}]}.
+{"cases": [{"samples", "prompt_len", "response_len", "paths": {PATH | "inputs_read" | "inputs_in_process": {"median_s", "runs_s"}}}]}.
 `python benchmarks/ra2p_handoff.py` (CPU, a few minutes on 2 cores).
 """
 
@@ -31,7 +34,8 @@ import ray
 import torch
 
 PATHS = ("transfer_queue", "shared_memory", "in_process")
-TIMED = (*PATHS, "inputs_read")
+INPUTS = ("input_ids", "position_ids", "response_mask")
+TIMED = (*PATHS, "inputs_read", "inputs_in_process")
 
 
 def nested(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -66,10 +70,27 @@ class Worker:
         self.tq.kv_batch_put(keys=keys, partition_id=partition_id,
                              fields=TensorDict({"log_probs": nested(self.full)}, batch_size=[len(keys)]))
 
-    def tq_inputs_get(self, keys: list[str], partition_id: str) -> float:
+    def tq_inputs_get(self, keys: list[str], partition_id: str) -> tuple[float, int]:
         start = time.perf_counter()
-        self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["input_ids"])
-        return time.perf_counter() - start
+        data = self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=list(INPUTS))
+        return time.perf_counter() - start, int(data["input_ids"].values().sum())
+
+    def inputs_in_process(self, keys: list[str], partition_id: str, sample_ids: list[int]) -> tuple[float, int]:
+        from tensordict import TensorDict
+
+        from verl_tide.ra2p.handoff import PROCESS_INPUTS
+        from verl_tide.ra2p.handoff_worker import restore_inputs
+
+        # the Ref pass's read (not timed: it happens on every path), rows left in the process
+        PROCESS_INPUTS.put(sample_ids, self.tq.kv_batch_get(keys=keys, partition_id=partition_id,
+                                                            select_fields=list(INPUTS)))
+        data = TensorDict({"tide_sample_id": torch.tensor(sample_ids)}, batch_size=[len(sample_ids)])
+        start = time.perf_counter()
+        restore_inputs(data, {"fields": list(INPUTS), "partition_id": partition_id,
+                              "keys": dict(zip(sample_ids, keys))})
+        seconds = time.perf_counter() - start
+        PROCESS_INPUTS.discard(sample_ids)
+        return seconds, int(data["input_ids"].values().sum())
 
     def tq_actor_get(self, keys: list[str], partition_id: str) -> float:
         data = self.tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=["ref_log_prob"])
@@ -113,8 +134,15 @@ def run_case(samples: int, prompt_len: int, response_len: int, repeats: int, ser
         keys, partition = [f"s{rep}_{i}" for i in range(samples)], f"bench_{samples}_{response_len}"
         tq.kv_batch_put(keys=keys, partition_id=partition, fields=TensorDict(
             {"response_mask": nested([torch.ones(n, dtype=torch.int64) for n in lens]),
-             "input_ids": nested([torch.randint(0, 32000, (prompt_len + n,)) for n in lens])}, batch_size=[samples]))
-        runs["inputs_read"].append(ray.get(actor_rank.tq_inputs_get.remote(keys, partition)))
+             "input_ids": nested([torch.randint(0, 32000, (prompt_len + n,)) for n in lens]),
+             "position_ids": nested([torch.arange(prompt_len + n) for n in lens])}, batch_size=[samples]))
+        seconds, read_sum = ray.get(actor_rank.tq_inputs_get.remote(keys, partition))
+        runs["inputs_read"].append(seconds)
+        seconds, held_sum = ray.get(actor_rank.inputs_in_process.remote(keys, partition,
+                                                                         [-10**6 - i for i in range(samples)]))
+        runs["inputs_in_process"].append(seconds)
+        if read_sum != held_sum:
+            raise AssertionError(f"the inputs differ: {read_sum} read, {held_sum} from the process")
         start = time.perf_counter()
         ray.get(actor_rank.tq_ref_put.remote(keys, partition))
         data = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=["log_probs", "response_mask"])

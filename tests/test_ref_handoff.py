@@ -82,3 +82,86 @@ def test_the_actors_source_takes_rows_its_own_process_holds_and_the_rest_from_th
     PROCESS_HANDOFF.discard([100, 101])
     assert PROCESS_HANDOFF.stats()["held"] == 0
     ray.kill(service)
+
+
+def _sequence_batch(lengths, seed=0):
+    """A batch in verl 0.9.1's no-padding layout: jagged sequence fields, a dense per-sample field."""
+    from tensordict import TensorDict
+
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, 100, (n,), generator=g) for n in lengths]
+    jagged = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
+    return TensorDict({
+        "input_ids": jagged(ids),
+        "position_ids": jagged([torch.arange(n) for n in lengths]),
+        "response_mask": jagged([torch.ones(n - 2, dtype=torch.int64) for n in lengths]),
+        "prompts": torch.randint(0, 100, (len(lengths), 2), generator=g),  # dense: same length each
+        "advantages": jagged([torch.randn(n - 2, generator=g) for n in lengths]),  # not an input field
+    }, batch_size=[len(lengths)])
+
+
+def _assert_same_field(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.is_nested == b.is_nested and a.layout == b.layout and a.dtype == b.dtype
+    for x, y in zip(a.unbind(0), b.unbind(0), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_input_rows_a_ref_pass_leaves_rebuild_the_batch_in_its_layout_and_order():
+    """The Ref pass leaves each sample's input rows (only INPUT_FIELDS); the Actor's share, in another order,
+    is rebuilt field by field from them, nested fields as nested, dense as dense."""
+    from verl_tide.ra2p.handoff import ProcessInputs, assemble
+
+    batch = _sequence_batch([5, 3, 7, 4])
+    store = ProcessInputs()
+    store.put([10, 11, 12, 13], batch)
+    fields = ["prompts", "input_ids", "position_ids", "response_mask"]
+    held = store.held([12, 10, 99], fields)
+    assert sorted(held) == [10, 12]  # 99 was scored elsewhere
+    assert "advantages" not in held[10]  # computed after the Ref pass: still read from TransferQueue
+    order = [2, 0]
+    for f in fields:
+        _assert_same_field(assemble([held[12], held[10]], f, store.layouts[f]), batch[f][order] if f == "prompts"
+                           else torch.nested.as_nested_tensor([batch[f].unbind(0)[i] for i in order],
+                                                              layout=torch.jagged))
+    assert store.held([10], ["returns"]) == {}  # a field the pass did not read: not held
+    store.discard([10, 11, 12, 13])
+    assert store.stats()["inputs_held"] == 0
+
+
+def test_the_actor_update_gets_the_same_batch_from_the_process_and_from_transfer_queue(ray_cpu_cluster):
+    """Real TransferQueue on a real Ray cluster: the Actor's share, read without the input fields and rebuilt
+    (two samples held by this process, two read back from TransferQueue), equals what verl's bridge reads."""
+    import transfer_queue as tq
+
+    from verl_tide.ra2p.handoff import INPUT_FIELDS, PROCESS_INPUTS
+    from verl_tide.ra2p.handoff_worker import restore_inputs
+    from verl_tide.ra2p.loss import SAMPLE_ID_KEY
+
+    tq.init()
+    try:
+        keys = [f"uid{i}_0" for i in range(4)]
+        ids = [40, 41, 42, 43]
+        batch = _sequence_batch([6, 3, 8, 5], seed=1)
+        batch[SAMPLE_ID_KEY] = torch.tensor(ids)
+        tq.kv_batch_put(keys=keys, partition_id="train", fields=batch)
+        full = tq.kv_batch_get(keys=keys, partition_id="train")  # what verl's update would read
+        stored = tq.get_client().kv_retrieve_meta(keys=keys, partition_id="train").field_names
+        held = [f for f in stored if f in INPUT_FIELDS]
+        assert sorted(held) == ["input_ids", "position_ids", "prompts", "response_mask"]
+        PROCESS_INPUTS.put(ids[:2], tq.kv_batch_get(keys=keys[:2], partition_id="train"))  # this rank's Ref pass
+        before = PROCESS_INPUTS.stats()
+        share = tq.kv_batch_get(keys=keys, partition_id="train",
+                                select_fields=[f for f in stored if f not in INPUT_FIELDS])
+        assert set(share.keys()) == {"advantages", SAMPLE_ID_KEY}
+        restore_inputs(share, {"fields": held, "partition_id": "train", "keys": dict(zip(ids, keys))})
+        for f in full.keys():
+            if full[f].is_nested:
+                _assert_same_field(share[f], full[f])
+            else:
+                torch.testing.assert_close(share[f], full[f])
+        after = PROCESS_INPUTS.stats()
+        assert after["inputs_in_process"] - before["inputs_in_process"] == 2
+        assert after["inputs_from_transfer_queue"] - before["inputs_from_transfer_queue"] == 2
+        PROCESS_INPUTS.discard(ids)
+    finally:
+        tq.close()

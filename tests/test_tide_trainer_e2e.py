@@ -173,7 +173,8 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     Ref pass also scores up to 2 ready groups the next steps train. tide.ers.max_ref_ranks=1 puts an empty
     elastic Ref pool beside it; with one rollout rank ERS can lend none, so every step runs colocated. With
     tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass leaves its rows in the worker
-    process, where the Actor's loss (same process) takes them; nothing goes through the Ref service."""
+    process, where the Actor's loss (same process) takes them; nothing goes through the Ref service. The
+    Actor role is tide's subclass too: its update takes the input fields the Ref pass read from the process."""
     work = tmp_path_factory.mktemp("tide_verl_ref")
     kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
@@ -198,6 +199,12 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     assert last["tide/ra2p/handoff_served_in_process"] == trained, last
     assert last["tide/ra2p/handoff_put"] >= trained + last["tide/ra2p/handoff_held"], last  # (+ evicted)
     assert last["tide/ra2p/ref_service_put"] == last["tide/ra2p/ref_service_served"] == 0, last
+    # The inputs too: every trained sample's input fields came back from the process into the Actor's update
+    # (which read only the other fields from TransferQueue), none from TransferQueue; those of samples scored
+    # ahead are held with their rows.
+    assert last["tide/ra2p/handoff_inputs_in_process"] == trained, last
+    assert last["tide/ra2p/handoff_inputs_from_transfer_queue"] == 0, last
+    assert last["tide/ra2p/handoff_inputs_held"] == last["tide/ra2p/handoff_held"], last
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):

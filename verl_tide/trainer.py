@@ -139,6 +139,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
                              and config.actor_rollout_ref.actor.get("use_kl_loss", False)
                              and not config.algorithm.get("use_kl_in_reward", False)
                              and str(config.actor_rollout_ref.actor.get("strategy", "fsdp")).startswith("fsdp"))
+        self._inputs_handoff = False  # inputs too: verl's Ref role and the Actor's in one process (tide's workers)
         self._ref_pool_wanted = False
         self._restored_ctb_state: Optional[dict] = None  # from tide_state.json, applied once CTB's router exists
         self._restored_roles: dict[int, Role] = {}
@@ -192,10 +193,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         elif self._handoff and VerlRole.RefPolicy in self.role_worker_mapping:
             import ray
 
-            from verl_tide.ra2p.handoff_worker import TideRefWorker
+            from verl_tide.ra2p.handoff_worker import TideActorWorker, TideRefWorker
 
             # verl's own Ref worker (in the Actor's process), plus the colocated hand-off (ra2p/handoff.py)
             self.role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
+            if VerlRole.Actor in self.role_worker_mapping:  # and the inputs: the Actor's update takes them back
+                self.role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
+                self._inputs_handoff = True
         else:
             self._handoff = False  # Ref inside the Actor (LoRA): verl's path through TransferQueue
 
@@ -382,7 +386,26 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.stage_timer.observe("ref", tokens, time.perf_counter() - start)
 
     def _update_actor(self, batch, metrics: dict):
-        batch = super()._update_actor(batch, metrics)
+        if not self._inputs_handoff:
+            batch = super()._update_actor(batch, metrics)
+        else:
+            # The update reads from TransferQueue all but the input fields; the Actor worker puts those back from
+            # its process (the Ref pass left them there) or, for samples another rank scored, from TransferQueue.
+            import transfer_queue as tq
+
+            from verl_tide.ra2p.handoff import INPUT_FIELDS
+            from verl_tide.ra2p.handoff_worker import INPUTS_KEY
+
+            stored = tq.get_client().kv_retrieve_meta(keys=batch.keys, partition_id=batch.partition_id).field_names
+            held = [f for f in stored if f in INPUT_FIELDS]
+            batch.fields = [f for f in stored if f not in INPUT_FIELDS]
+            batch.extra_info[INPUTS_KEY] = {"fields": held, "partition_id": batch.partition_id,
+                                            "keys": dict(zip(self.sample_ids.ids_of(batch.keys), batch.keys))}
+            try:
+                batch = super()._update_actor(batch, metrics)
+            finally:
+                batch.fields = None
+                batch.extra_info.pop(INPUTS_KEY, None)
         if self.ref_service is None:
             return batch
         import ray
@@ -401,7 +424,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
         if self._handoff and getattr(self, "ref_policy_wg", None) is not None:
             ranks = self.ref_policy_wg.discard_ref_handoff(released)
-            for k in ("put", "served_in_process", "held"):  # summed over the ranks' processes
+            for k in ("put", "served_in_process", "held", "inputs_in_process", "inputs_from_transfer_queue",
+                      "inputs_held"):  # summed over the ranks' processes
                 self._handoff_counters[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
         kl = ray.get(self.ref_service.take_kl.remote())
         if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred

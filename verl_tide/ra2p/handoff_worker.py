@@ -6,7 +6,9 @@ verl builds the Actor and Ref roles of a rank into one worker process (`create_c
 response log-probs in that process (`PROCESS_HANDOFF`) instead of writing them to TransferQueue; the
 Actor's deferred-KL loss takes them from there. With more than one Ref rank the rows are also put,
 once, into Ray's shared-memory object store through the Ref service, for an Actor rank that trains a
-sample another rank scored. Thin verl adapter.
+sample another rank scored. The pass also leaves the samples' input rows in the process (`PROCESS_INPUTS`);
+`TideActorWorker.update_actor` (installed for the Actor role) puts them back into the update's batch, which
+trainer `tide` asked TransferQueue for without them. Thin verl adapter.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 from verl.utils import tensordict_utils as tu
 from verl.workers.utils.padding import response_from_nested
 
-from verl_tide.ra2p.handoff import PROCESS_HANDOFF
+from verl_tide.ra2p.handoff import PROCESS_HANDOFF, PROCESS_INPUTS, assemble, split_rows
 from verl_tide.ra2p.loss import SAMPLE_ID_KEY
 
 SERVICE_KEY = "tide_ref_service"  # the Ref service's Ray name, passed in the batch's extra_info
+# In the update's extra_info: {"fields": held input fields, "partition_id", "keys": {sample id: TransferQueue key}}
+INPUTS_KEY = "tide_handoff_inputs"
 
 
 class TideRefWorker(DetachActorWorker):
@@ -34,6 +38,7 @@ class TideRefWorker(DetachActorWorker):
         service_name = tu.pop(data, key=SERVICE_KEY, default=None)
         sample_ids = data[SAMPLE_ID_KEY].tolist()
         response_mask = data["response_mask"]
+        PROCESS_INPUTS.put(sample_ids, data)  # every rank that read this share: its Actor role trains it next
         output = DetachActorWorker.compute_ref_log_prob(self, data)
         if output is not None:  # the rank that holds this data-parallel share's outputs
             rows = list(response_from_nested(output["log_probs"], response_mask).unbind())
@@ -48,4 +53,38 @@ class TideRefWorker(DetachActorWorker):
     def discard_ref_handoff(self, sample_ids: list[int]) -> dict[str, Any]:
         """Rows of trained (or evicted) samples leave the process; returns the process's hand-off counters."""
         PROCESS_HANDOFF.discard(sample_ids)
-        return PROCESS_HANDOFF.stats()
+        PROCESS_INPUTS.discard(sample_ids)
+        return {**PROCESS_HANDOFF.stats(), **PROCESS_INPUTS.stats()}
+
+
+class TideActorWorker(DetachActorWorker):
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data: TensorDict) -> TensorDict:
+        """verl's update; with the inputs hand-off, the input fields this process's Ref pass read go back into
+        the batch from the process, those of samples another rank scored from TransferQueue."""
+        spec = tu.pop(data, key=INPUTS_KEY, default=None)
+        if spec is not None and SAMPLE_ID_KEY in data.keys():
+            restore_inputs(data, spec)
+        return DetachActorWorker.update_actor(self, data)
+
+
+def restore_inputs(data: TensorDict, spec: dict) -> None:
+    fields = list(spec["fields"])
+    sample_ids = [int(i) for i in data[SAMPLE_ID_KEY].tolist()]
+    rows = PROCESS_INPUTS.held(sample_ids, fields)
+    in_process = len(rows)
+    layouts = dict(PROCESS_INPUTS.layouts)
+    missing = [i for i in sample_ids if i not in rows]
+    if missing:
+        import transfer_queue as tq
+
+        keys = spec["keys"]
+        fetched = tq.kv_batch_get(keys=[keys[i] for i in missing], partition_id=spec["partition_id"],
+                                  select_fields=fields)
+        fetched_rows, fetched_layouts = split_rows(fetched, fields)
+        rows.update(zip(missing, fetched_rows))
+        layouts.update(fetched_layouts)
+    ordered = [rows[i] for i in sample_ids]
+    for f in fields:
+        data[f] = assemble(ordered, f, layouts[f])
+    PROCESS_INPUTS.count(in_process, len(missing))
