@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.aggregation import RefAggregator, rank_aligned_order, trim_to_multiple, window_groups_left
 from verl_tide.ra2p.handoff import SampleIds
 
 
@@ -60,6 +60,20 @@ def test_trim_to_multiple(ahead, multiple, base, kept):
     out = trim_to_multiple(keys, multiple, base)
     assert out == keys[:kept]
     assert (base + len(out)) % multiple == 0
+
+
+def test_rank_aligned_order_gives_each_ref_rank_the_share_its_actor_rank_trains():
+    own = ["o0", "o1", "o2", "o3"]  # the Actor's rank 0 trains o0, o1; rank 1 trains o2, o3 (even contiguous shares)
+    ahead = ["a0", "a1", "a2", "a3", "a4", "a5"]
+    order = rank_aligned_order(own, ahead, 2)
+    assert sorted(order) == sorted(own + ahead)
+    share = len(order) // 2
+    assert order[:share] == ["o0", "o1", "a0", "a1", "a2"]  # Ref rank 0: what Actor rank 0 trains, and ahead
+    assert order[share:] == ["o2", "o3", "a3", "a4", "a5"]
+    assert rank_aligned_order(own, ahead, 1) == own + ahead
+    assert rank_aligned_order(own, ["a0"], 2) == own + ["a0"]  # an uneven pass: verl's order
+    with pytest.raises(ValueError, match="ranks"):
+        rank_aligned_order(own, ahead, 0)
 
 
 def test_window_groups_left():
@@ -117,6 +131,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t._ref_pool_wanted = True
     t._ref_in_flight = None
     t._handoff, t.sample_ids, t._released_ids, t._handoff_counters = False, SampleIds(), [], {}
+    t._inputs_handoff = False
     t.stage_timer = StageTimer()
     t.replay_buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
     return t, SimpleNamespace
@@ -276,6 +291,30 @@ def test_with_the_handoff_verls_ref_worker_group_runs_the_handoff_pass_with_the_
     assert meta.extra_info[SERVICE_KEY] == "svc" and meta.extra_info["compute_loss"] is False
     assert meta.extra_info["temperature"] == 1.0
     assert list(written[0]) == list(meta.keys)
+
+
+def test_with_the_inputs_handoff_each_ref_rank_scores_the_share_its_actor_rank_trains(monkeypatch):
+    """verl's Ref and Actor roles in the same processes, the same data-parallel layout: the pass is ordered so
+    that Ref rank r's share holds the mini-batch samples Actor rank r trains (their rows and inputs stay
+    there); with another layout, verl's order."""
+    from types import SimpleNamespace
+
+    calls = []
+    t, ns, written = _handoff_trainer(monkeypatch, mode="auto", max_aggregate=2)
+    t.ref_pool = None
+    t.ref_in_actor = False
+    t._inputs_handoff = True
+    t.ref_policy_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append,
+                                      _dispatch_info={"ref": [0, 1]})
+    t.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": [0, 1]})
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    assert list(calls[0].keys) == ["a_0", "a_1", "c_0", "c_1", "b_0", "b_1", "d_0", "d_1"]
+    assert list(written[0]) == list(calls[0].keys)
+    t.local_trigger_step = 1
+    t.actor_rollout_wg._dispatch_info["actor"] = [1, 0]  # another layout: nothing to align with
+    t.ref_aggregator = RefAggregator()
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    assert list(calls[1].keys)[:4] == ["a_0", "a_1", "b_0", "b_1"]
 
 
 def test_after_an_update_the_trained_and_evicted_samples_rows_are_discarded(monkeypatch):

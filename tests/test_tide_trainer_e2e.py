@@ -207,6 +207,35 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     assert last["tide/ra2p/handoff_inputs_held"] == last["tide/ra2p/handoff_held"], last
 
 
+def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_and_across_ranks(job,
+                                                                                              tmp_path_factory):
+    """Two trainer ranks (FSDP over gloo, verl's Actor and Ref roles in each worker process), KL loss, up to 2
+    groups scored ahead. Each Ref rank scores the share of the mini-batch its own process trains, so a
+    mini-batch that ran a Ref pass finds its rows and inputs in process; rows of samples scored ahead that the
+    other rank trains come from shared memory (every row is put there once), their inputs from
+    TransferQueue. Every trained sample's row and inputs arrive one way or the other, once."""
+    work = tmp_path_factory.mktemp("tide_two_ranks")
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, "n_gpus": 3})
+    # Each trainer rank's bundle takes 3 of Ray's CPUs: 16 leave too few for the rollout replica's.
+    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
+                                                        "ray_kwargs.ray_init.num_cpus=24"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert abs(steps[1]["actor/kl_loss"]) < 1e-6 and steps[STEPS]["actor/kl_loss"] > 1e-4, steps
+    last = steps[STEPS]
+    per_step = kl_job.train_batch_size * kl_job.rollout_n
+    trained = STEPS * per_step
+    without_pass = int(last["tide/ra2p/aggregation_batches_without_ref_pass"])  # trained from rows scored ahead
+    assert last["tide/ra2p/handoff_served_in_process"] + last["tide/ra2p/ref_service_served"] == trained, last
+    assert last["tide/ra2p/handoff_served_in_process"] >= trained - per_step * without_pass, last
+    assert last["tide/ra2p/ref_service_put"] == last["tide/ra2p/handoff_put"] > 0, last
+    assert last["tide/ra2p/handoff_inputs_in_process"] + last["tide/ra2p/handoff_inputs_from_transfer_queue"] \
+        == trained, last
+    assert last["tide/ra2p/handoff_inputs_in_process"] >= trained - per_step * without_pass, last
+
+
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):
     """tide.ra2p.mode=decoupled: Ref starts on its own rank when a mini-batch is sampled; the Actor's installed
     deferred-KL loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without

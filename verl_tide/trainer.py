@@ -58,7 +58,7 @@ from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.ra2p.aggregation import RefAggregator, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.aggregation import RefAggregator, rank_aligned_order, trim_to_multiple, window_groups_left
 from verl_tide.ra2p.cost import (RA2PMode, StageTimer, choose_mode, decoupled_break_even_ras,
                                  ref_ranks_for_decoupled)
 from verl_tide.ra2p.handoff import SampleIds
@@ -340,12 +340,28 @@ class TideTrainer(PPOTrainerSeparateAsync):
                 own = list(batch.keys)
                 wg = self.actor_rollout_wg if self.ref_in_actor else self.ref_policy_wg
                 ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
-            self._score_ref(batch, own + ahead, [tags[k] for k in own + ahead], metrics)
+            order = self._ref_pass_order(own, ahead)
+            self._score_ref(batch, order, [tags[k] for k in order], metrics)
             self.ref_aggregator.record_burst(own, ahead)
         self.ref_aggregator.trained(list(batch.keys), ref_pass_ran=bool(own))
         metrics["tide/ra2p/ref_pass_samples"] = float(len(own) + len(ahead))
         metrics["tide/ra2p/ref_pass_samples_ahead"] = float(len(ahead))
         return batch
+
+    def _ref_pass_order(self, own: list[str], ahead: list[str]) -> list[str]:
+        """With the hand-off to verl's Actor (same processes, same data-parallel layout), each Ref rank scores the
+        share of the mini-batch its process trains; otherwise verl's order, the mini-batch first."""
+        if not self._inputs_handoff or self._ref_replicas_up():
+            return own + ahead
+        actor_wg, ref_wg = self.actor_rollout_wg, self.ref_policy_wg
+        layouts = []
+        for wg, mesh in ((actor_wg, "actor"), (ref_wg, "ref")):
+            if mesh not in wg._dispatch_info:
+                wg._dispatch_info[mesh] = wg._query_dispatch_info(mesh)
+            layouts.append(list(wg._dispatch_info[mesh]))
+        if layouts[0] != layouts[1]:
+            return own + ahead
+        return rank_aligned_order(own, ahead, max(layouts[0]) + 1)
 
     def _aggregate_limit(self) -> int:
         """Ready groups a colocated Ref pass may score beyond the mini-batch (`tide.ra2p.max_aggregate`;
@@ -424,8 +440,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
         if self._handoff and getattr(self, "ref_policy_wg", None) is not None:
             ranks = self.ref_policy_wg.discard_ref_handoff(released)
-            for k in ("put", "served_in_process", "held", "inputs_in_process", "inputs_from_transfer_queue",
-                      "inputs_held"):  # summed over the ranks' processes
+            for k in (ranks[0] if ranks else {}):  # put/served_in_process/held (+ inputs_*), summed over processes
                 self._handoff_counters[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
         kl = ray.get(self.ref_service.take_kl.remote())
         if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred

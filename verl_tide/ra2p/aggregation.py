@@ -96,6 +96,19 @@ def trim_to_multiple(ahead: Sequence[str], multiple: int, base: int) -> list[str
     return list(ahead[:max(keep, 0)])
 
 
+def rank_aligned_order(own: Sequence[str], ahead: Sequence[str], ranks: int) -> list[str]:
+    """A Ref pass's samples in the order that gives data-parallel rank r (an even, contiguous share of the pass)
+    the r-th share of `own`, which the Actor's rank r in the same process trains next, plus the r-th share of
+    `ahead`: with the colocated hand-off, the mini-batch's rows and inputs are then already in the process that
+    trains them. Unchanged (`own + ahead`) when either does not split evenly."""
+    if ranks < 1:
+        raise ValueError(f"ranks = {ranks}: must be >= 1")
+    if len(own) % ranks or len(ahead) % ranks:
+        return [*own, *ahead]
+    a, b = len(own) // ranks, len(ahead) // ranks
+    return [k for r in range(ranks) for k in (*own[r * a:(r + 1) * a], *ahead[r * b:(r + 1) * b])]
+
+
 def window_groups_left(parameter_sync_step: int, local_trigger_step: int, groups_per_mini_batch: int) -> int:
     """Ready groups the rest of this weight-sync window will train, beyond the current mini-batch."""
     return max(0, parameter_sync_step - local_trigger_step - 1) * groups_per_mini_batch

@@ -70,6 +70,8 @@ class TideActorWorker(DetachActorWorker):
 
 def restore_inputs(data: TensorDict, spec: dict) -> None:
     fields = list(spec["fields"])
+    if not fields:
+        return
     sample_ids = [int(i) for i in data[SAMPLE_ID_KEY].tolist()]
     rows = PROCESS_INPUTS.held(sample_ids, fields)
     in_process = len(rows)
