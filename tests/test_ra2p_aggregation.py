@@ -345,6 +345,7 @@ def test_after_an_update_the_trained_and_evicted_samples_rows_are_discarded(monk
     assert discarded == [[0, 1, 2, 3, 6, 7]] and ranks_told == discarded
     counters = t._handoff_counters  # logged at the step boundary: verl averages a step's mini-batch metrics
     assert counters["tide/ra2p/handoff_served_in_process"] == 6.0 and counters["tide/ra2p/handoff_held"] == 1.0
+    assert counters["tide/ra2p/handoff_ids_live"] == 2.0  # c_0, c_1: scored ahead, not trained yet
     assert metrics["actor/kl_loss"] == 0.25 and counters["tide/ra2p/ref_service_served"] == 2.0
     assert t.ref_aggregator.scored == {"c_0", "c_1"}
 
@@ -353,7 +354,8 @@ def test_sample_ids_are_fresh_per_pass_and_released_once():
     ids = SampleIds()
     assert ids.assign(["a", "b"]) == [0, 1]
     assert ids.assign(["b", "c"]) == [2, 3]  # scored again: a new id (its old row is never asked for)
-    assert ids.release(["b", "x"]) == [2] and ids.release(["b"]) == []
+    assert ids.release(["b", "x"]) == [2, 1]  # b's row, and b's replaced row (it would be held forever)
+    assert ids.release(["b"]) == []
     assert len(ids) == 2
 
 

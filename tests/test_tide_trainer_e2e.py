@@ -167,6 +167,20 @@ def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_
     assert re.search(r"RA2P: .*\d+ Ref passes, \d+ samples scored ahead", run.output)
 
 
+def _verls_ref_run(job, tmp_path_factory, name: str, extra: tuple[str, ...], **job_changes):
+    """use_kl_loss=True with verl's own Ref worker group (no tide Ref ranks), one mini-batch per step and up to
+    2 ready groups scored ahead per Ref pass."""
+    work = tmp_path_factory.mktemp(name)
+    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, **job_changes})
+    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
+                                                        *extra])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    return run, steps, kl_job
+
+
 def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_elastic_pool(job, tmp_path_factory):
     """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPU (on this test bed its engine is
     built with forward_only=false, see README). One mini-batch per step and tide.ra2p.max_aggregate=2: a step's
@@ -175,14 +189,7 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass leaves its rows in the worker
     process, where the Actor's loss (same process) takes them; nothing goes through the Ref service. The
     Actor role is tide's subclass too: its update takes the input fields the Ref pass read from the process."""
-    work = tmp_path_factory.mktemp("tide_verl_ref")
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None})
-    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
-                                                        "tide.ers.max_ref_ranks=1"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-6000:]
-    steps = parse_step_metrics(run.output)
-    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", ("tide.ers.max_ref_ranks=1",))
     assert "verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend up to 1" \
         in run.output
     # Step 1: Ref (verl's worker group) and Actor hold the same weights: verl's KL loss is 0; later it is not.
@@ -205,6 +212,9 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     assert last["tide/ra2p/handoff_inputs_in_process"] == trained, last
     assert last["tide/ra2p/handoff_inputs_from_transfer_queue"] == 0, last
     assert last["tide/ra2p/handoff_inputs_held"] == last["tide/ra2p/handoff_held"], last
+    # Nothing leaks: what is held is exactly the rows of samples scored and not trained yet (a sample scored
+    # again in its own mini-batch's pass gets a new id, and its old row goes).
+    assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/handoff_ids_live"], last
 
 
 def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_and_across_ranks(job,
@@ -214,15 +224,9 @@ def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_an
     mini-batch that ran a Ref pass finds its rows and inputs in process; rows of samples scored ahead that the
     other rank trains come from shared memory (every row is put there once), their inputs from
     TransferQueue. Every trained sample's row and inputs arrive one way or the other, once."""
-    work = tmp_path_factory.mktemp("tide_two_ranks")
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, "n_gpus": 3})
     # Each trainer rank's bundle takes 3 of Ray's CPUs: 16 leave too few for the rollout replica's.
-    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
-                                                        "ray_kwargs.ray_init.num_cpus=24"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-6000:]
-    steps = parse_step_metrics(run.output)
-    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    _, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_two_ranks", ("ray_kwargs.ray_init.num_cpus=24",),
+                                      n_gpus=3)
     assert abs(steps[1]["actor/kl_loss"]) < 1e-6 and steps[STEPS]["actor/kl_loss"] > 1e-4, steps
     last = steps[STEPS]
     per_step = kl_job.train_batch_size * kl_job.rollout_n
@@ -234,6 +238,10 @@ def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_an
     assert last["tide/ra2p/handoff_inputs_in_process"] + last["tide/ra2p/handoff_inputs_from_transfer_queue"] \
         == trained, last
     assert last["tide/ra2p/handoff_inputs_in_process"] >= trained - per_step * without_pass, last
+    # Nothing leaks: each live sample's row is held once in a process and once in shared memory.
+    live = last["tide/ra2p/handoff_ids_live"]
+    assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/ref_service_held"] == live, last
+    assert last["tide/ra2p/handoff_inputs_held"] == live, last
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):

@@ -438,6 +438,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # Cumulative counters go out with the step's own metrics: verl averages a step's mini-batch metrics.
         stats = ray.get(self.ref_service.stats.remote())
         self._handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+        # Samples scored and not yet trained or evicted: the rows that should be held, nothing more.
+        self._handoff_counters["tide/ra2p/handoff_ids_live"] = float(len(self.sample_ids))
         if self._handoff and getattr(self, "ref_policy_wg", None) is not None:
             ranks = self.ref_policy_wg.discard_ref_handoff(released)
             for k in (ranks[0] if ranks else {}):  # put/served_in_process/held (+ inputs_*), summed over processes

@@ -130,12 +130,15 @@ class SampleIds:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
+        self._replaced: list[int] = []  # ids of samples scored again: their rows are never asked for
         self._next = 0
 
     def assign(self, keys: Sequence[str]) -> list[int]:
-        """Fresh ids for these samples (a sample scored again gets a new id)."""
+        """Fresh ids for these samples (a sample scored again gets a new id; its old one goes at the next
+        `release`)."""
         ids = list(range(self._next, self._next + len(keys)))
         self._next += len(keys)
+        self._replaced.extend(self._ids[k] for k in keys if k in self._ids)
         self._ids.update(zip(keys, ids))
         return ids
 
@@ -144,8 +147,11 @@ class SampleIds:
         return [self._ids[k] for k in keys]
 
     def release(self, keys: Iterable[str]) -> list[int]:
-        """The ids of samples that were trained or evicted: their rows can go."""
-        return [self._ids.pop(k) for k in keys if k in self._ids]
+        """The ids of samples that were trained or evicted, and the replaced ids of samples scored again: their
+        rows can go."""
+        released = [self._ids.pop(k) for k in keys if k in self._ids] + self._replaced
+        self._replaced = []
+        return released
 
     def __len__(self) -> int:
         return len(self._ids)
