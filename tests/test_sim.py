@@ -12,7 +12,7 @@ import pytest
 from verl_tide.cli import main as cli_main
 from verl_tide.ctb.policy import CTBScheduler
 from verl_tide.ers.policy import ERSPolicy
-from verl_tide.sim.bench import oracle_goodput
+from verl_tide.sim.bench import RATIOS, oracle_goodput
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
@@ -196,7 +196,13 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
         assert {"goodput_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "step_time_s"} <= set(row)
     assert report["oracle_goodput_tok_s"] > max(r["goodput_tok_s"] for r in systems.values())
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert "goodput tok/s" in capsys.readouterr().out
+    # tide from every swept start ratio; the headline tide starts from the best fixed ratio's
+    starts = report["tide_start_ratio_sweep"]
+    assert sorted(r["rollout_ratio"] for r in starts.values()) == list(RATIOS)
+    assert starts[f"tide_r{systems['verl_async_fixed']['rollout_ratio']:.3g}"] == systems["tide"]
+    assert len({r["goodput_tok_s"] for r in starts.values()}) > 1  # the start ratio matters
+    out_text = capsys.readouterr().out
+    assert "goodput tok/s" in out_text and "tide by start ratio" in out_text
 
 
 def test_bench_cli_rejects_bad_arguments(capsys):

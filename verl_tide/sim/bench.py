@@ -86,14 +86,23 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
                                                                 consume="stream_swap"))
     best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
     results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
-    results["tide"] = sim(SystemSpec("tide", rollout_ratio=best_async.rollout_ratio, routing="ctb", consume="ra2p",
-                                     eval_blocks_trainer=False, elastic=True))
+    def tide(name: str, ratio: float) -> SystemSpec:
+        return SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
+                          elastic=True)
+
+    results["tide"] = sim(tide("tide", best_async.rollout_ratio))
+    # tide from every start ratio: ERS moves ranks between rollout and Ref only, so it does not find the split
+    # for the user; this shows what a worse (or better) start costs.
+    tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best_async.rollout_ratio else sim(tide(f"tide_r{r:.3g}", r))
+                   for r in ratios}
     oracle = oracle_goodput(w, gpus, hw)
     return {
         "workload": w.name, "gpus": gpus, "hardware": hw.name, "steps": w.steps, "seed": seed,
         "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in results.items()},
         "fixed_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
                               for name, r in {**sweep, **stream}.items()},
+        "tide_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
+                                   for name, r in tide_starts.items()},
         "oracle_goodput_tok_s": round(oracle, 1),
         "tide_steps": results["tide"].steps,
         "tide_ledger": results["tide"].ledger,
@@ -119,6 +128,10 @@ def format_table(report: dict) -> str:
     lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
                  f"RWT+TWT vs best fixed: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
                  f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
+    starts = report.get("tide_start_ratio_sweep", {})
+    if starts:
+        lines.append("tide by start ratio (ERS moves rollout<->Ref only; it does not find the split): " + ", ".join(
+            f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" for row in starts.values()))
     return "\n".join(lines)
 
 
@@ -163,7 +176,7 @@ def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional
     say = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if say:
         say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, "
-            "hybrid, tide")
+            f"hybrid, tide from {len(RATIOS)} start ratios")
     report = run_bench(w, gpus, seed=seed, progress=say)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     print(format_table(report))
