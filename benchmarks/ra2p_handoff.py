@@ -19,7 +19,8 @@ The inputs, from "the Ref pass read them" to "the Actor's update batch holds the
   `restore_inputs` rebuilds the same fields from them (one copy into the batch's nested tensors).
 
 The Ref forward itself is not timed (rows are made before). Prints a table; `--json PATH` writes
-{"cases": [{"samples", "prompt_len", "response_len", "paths": {PATH | "inputs_read" | "inputs_in_process": {"median_s", "runs_s"}}}]}.
+{"cases": [{"samples", "prompt_len", "response_len",
+            "paths": {PATH | "inputs_read" | "inputs_in_process": {"median_s", "runs_s"}}}]}.
 `python benchmarks/ra2p_handoff.py` (CPU, a few minutes on 2 cores).
 """
 
