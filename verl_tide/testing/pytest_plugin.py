@@ -6,7 +6,6 @@ cluster); every Ray cluster started here is shut down, and /dev/shm is cleaned a
 
 from __future__ import annotations
 
-import glob
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,18 +40,18 @@ def ray_cpu_cluster() -> Iterator[None]:
     import ray
 
     from verl_tide.testing.platform import TEST_BED_ENV, register_cpu_platform
-    from verl_tide.testing.testbed import clean_shm
+    from verl_tide.testing.testbed import clean_run_files, run_files
 
     saved = {k: os.environ.get(k) for k in TEST_BED_ENV}
     os.environ.update(TEST_BED_ENV)
     register_cpu_platform()  # this process imported verl before VERL_PLATFORM was set
-    shm_before = set(glob.glob("/dev/shm/*"))
+    before = run_files()
     ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": dict(TEST_BED_ENV)})
     try:
         yield
     finally:
         ray.shutdown()
-        clean_shm(shm_before)
+        clean_run_files(before)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -160,14 +162,15 @@ class RunResult:
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
                  extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> RunResult:
-    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm.
+    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm and
+    the temp dir.
 
     `on_line` sees every output line as it comes (progress display)."""
     env = {**os.environ, **TEST_BED_ENV, **(extra_env or {})}
     env.setdefault("RAY_DEDUP_LOGS", "0")
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
-    shm_before = set(glob.glob("/dev/shm/*"))
+    before = run_files()
     log = open(log_path, "w") if log_path else None
     lines: list[str] = []
     proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -197,7 +200,7 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
         timer.cancel()
         if proc.poll() is None:
             kill_job()
-        clean_shm(shm_before)
+        clean_run_files(before)
     if log:
         log.write(out)
         log.close()
@@ -228,6 +231,32 @@ def stop_stray_ray() -> None:
     """`ray stop` for a cluster that a killed driver left behind (no-op when none runs)."""
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=120, check=False)
+
+
+# What a test-bed run leaves in the temp dir: vLLM's torch.distributed file stores, verl's checkpoint-copy locks.
+_TMP_LEFTOVERS = ("vllm_dist_*", "ckpt_*.lock")
+
+
+def run_files() -> set[str]:
+    """/dev/shm and the temp-dir entries a run may leave, as they are now (for `clean_run_files` after it)."""
+    tmp = tempfile.gettempdir()
+    leftovers = {p for pattern in _TMP_LEFTOVERS for p in glob.glob(os.path.join(tmp, pattern))}
+    return set(glob.glob("/dev/shm/*")) | leftovers
+
+
+def clean_run_files(keep: set[str]) -> None:
+    """Remove what a run left (`clean_shm`, and vLLM's `vllm_dist_*` stores and verl's `ckpt_*.lock` files in the
+    temp dir) that is not in `keep`."""
+    clean_shm(keep)
+    tmp = tempfile.gettempdir()
+    for pattern in _TMP_LEFTOVERS:
+        for path in glob.glob(os.path.join(tmp, pattern)):
+            if path in keep:
+                continue
+            try:
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            except OSError:
+                pass
 
 
 def clean_shm(keep: set[str]) -> None:
