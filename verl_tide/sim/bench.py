@@ -87,14 +87,15 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
     results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
 
-    def tide(name: str, ratio: float) -> Result:
-        return results["tide"] if name != "tide" and ratio == best_async.rollout_ratio else sim(SystemSpec(
-            name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False, elastic=True))
+    def tide(ratio: float, name: str = "tide") -> Result:
+        return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
+                              elastic=True))
 
-    results["tide"] = tide("tide", best_async.rollout_ratio)
+    best = best_async.rollout_ratio
+    results["tide"] = tide(best)
     # tide from every start ratio: ERS moves ranks between rollout and Ref only, so it does not find the split
     # for the user; this shows what a worse (or better) start costs.
-    tide_starts = {f"tide_r{r:.3g}": tide(f"tide_r{r:.3g}", r) for r in ratios}
+    tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
     oracle = oracle_goodput(w, gpus, hw)
     return {
         "workload": w.name, "gpus": gpus, "hardware": hw.name, "steps": w.steps, "seed": seed,
