@@ -81,14 +81,14 @@ def test_tide_values_override_on_the_command_line(tmp_path):
 
 def test_bad_values_fail_in_the_driver_before_ray_starts(tmp_path):
     proc = _main_ppo(
-        ["+tide=enabled", "tide.ctb.kv_headroom=1.5", "tide.ra2p.mode=split", "tide.ers.tau=0",
+        ["+tide=enabled", "tide.ctb.kv_headroom=1.5", "tide.ra2p.mode=pipelined", "tide.ers.tau=0",
          "tide.ers.min_batch=64", "tide.ers.ideal_batch=32"],
         tmp_path,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     for expected in ("tide.ctb.kv_headroom = 1.5: must be 0 < x <= 1",
-                     "tide.ra2p.mode = 'split': must be one of auto | decoupled | colocated",
+                     "tide.ra2p.mode = 'pipelined': must be one of auto | decoupled | colocated | split",
                      "tide.ers.tau = 0: must be > 0",
                      "tide.ers.min_batch = 64: must be <= tide.ers.ideal_batch"):
         assert expected in out, out[-3000:]

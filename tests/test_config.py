@@ -47,7 +47,7 @@ def test_paper_defaults():
         ({"ctb": {"kv_headroom": 0}}, "tide.ctb.kv_headroom = 0", "0 < x <= 1"),
         ({"ctb": {"kv_headroom": 1.5}}, "tide.ctb.kv_headroom = 1.5", "0 < x <= 1"),
         ({"ctb": {"kv_headroom": "high"}}, "tide.ctb.kv_headroom = 'high'", "finite number"),
-        ({"ra2p": {"mode": "split"}}, "tide.ra2p.mode = 'split'", "auto | decoupled | colocated"),
+        ({"ra2p": {"mode": "pipelined"}}, "tide.ra2p.mode = 'pipelined'", "auto | decoupled | colocated | split"),
         ({"ers": {"tau": 0}}, "tide.ers.tau = 0", "> 0"),
         ({"ers": {"tau": -2.0}}, "tide.ers.tau = -2.0", "> 0"),
         ({"ers": {"min_batch": 64, "ideal_batch": 32}}, "tide.ers.min_batch = 64", "<= tide.ers.ideal_batch"),

@@ -152,10 +152,20 @@ def test_no_rank_leaves_rollout_if_the_rest_could_not_feed_the_trainer():
     assert starve.moves == () and "would make 1.50 seq/s, below the 1.60 seq/s" in starve.reason
     p.plan(3, cons(4.0), roles(4, 0))
     far = p.plan(4, cons(4.0), roles(4, 0), ref_ranks_needed=3)  # can spare 2 (4 -> 2 ranks make 2.0 seq/s)
-    assert far.moves == () and "decoupled mode needs 3 Ref ranks, rollout can spare 2" in far.reason
+    assert far.moves == () and "Ref ranks pay from 3, rollout can spare 2" in far.reason
     p.plan(5, cons(4.0), roles(4, 0), ref_ranks_needed=2)
     ok = p.plan(6, cons(4.0), roles(4, 0), ref_ranks_needed=2)
     assert [(m.rank, m.dst) for m in ok.moves] == [(3, Role.REF)]
+
+
+def test_no_rank_moves_to_ref_when_the_cost_model_predicts_too_small_a_saving():
+    p = policy(cooldown_steps=0, min_ref_gain=0.05)
+    p.plan(1, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.04)
+    small = p.plan(2, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.04)
+    assert small.moves == () and "saves 4.0% of the step, below tide.ers.min_ref_gain 5.0%" in small.reason
+    p.plan(3, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.06)
+    enough = p.plan(4, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.06)
+    assert [(m.rank, m.dst) for m in enough.moves] == [(3, Role.REF)]
 
 
 def test_min_ref_ranks_is_a_floor_while_training_that_evaluation_borrows_back():

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from verl_tide.ra2p.aggregation import RefAggregator, rank_aligned_order, trim_to_multiple, window_groups_left
+from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
+                                        window_groups_left)
 from verl_tide.ra2p.handoff import SampleIds
 
 
@@ -101,7 +102,7 @@ class _Pool:
         self.passes, self.handed = [], []
         self.replicas = [object()] * replicas
 
-    def start(self, keys, partition_id, temperature, sample_ids=None, service_name=None):
+    def start(self, keys, partition_id, temperature, sample_ids=None, service_name=None, zero_copy=True):
         self.passes.append(list(keys))
         self.handed.append((sample_ids, service_name))
         return [{"tokens": 10.0 * len(keys), "seconds": 0.1}]
@@ -129,7 +130,7 @@ def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     t.ref_aggregator = RefAggregator()
     t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
     t._ref_pool_wanted = True
-    t._ref_in_flight = None
+    t._ref_in_flight, t._ref_split_pending, t.ra2p_share = None, [], None
     t._handoff, t.sample_ids, t._released_ids, t._handoff_counters = False, SampleIds(), [], {}
     t._inputs_handoff = False
     t.stage_timer = StageTimer()
@@ -369,3 +370,114 @@ def test_the_process_handoff_refuses_rows_without_ids():
         store.put_rows([1, 2], [torch.zeros(3)])
     store.put_rows([1], [torch.ones(3)])
     assert list(store.present([1, 5])) == [1] and store.stats() == {"put": 1, "served_in_process": 1, "held": 1}
+
+
+def test_split_ref_pass_gives_the_replicas_the_samples_scored_ahead_first():
+    own, ahead = ["a0", "a1", "a2", "a3"], ["b0", "b1", "b2", "b3"]
+    # half of 8: the 4 samples scored ahead go to the replicas, verl's workers score the mini-batch
+    assert split_ref_pass(own, ahead, 0.5, 1) == (own, [], ahead)
+    # a quarter: 2 of the ahead samples, from the end
+    assert split_ref_pass(own, ahead, 0.25, 1) == (own, ["b0", "b1"], ["b2", "b3"])
+    # more than the ahead samples: the end of the mini-batch too
+    assert split_ref_pass(own, ahead, 0.75, 1) == (["a0", "a1"], [], ["a2", "a3", *ahead])
+    # any share above 0 gives the replicas a sample (ceil), share 0 none, share 1 all
+    assert split_ref_pass(own, ahead, 0.01, 1)[2] == ["b3"]
+    assert split_ref_pass(own, ahead, 0.0, 1) == (own, ahead, [])
+    assert split_ref_pass(own, ahead, 1.0, 1) == ([], [], [*own, *ahead])
+
+
+def test_split_ref_pass_keeps_verls_part_a_multiple_of_its_ranks():
+    own, ahead = [f"a{i}" for i in range(4)], [f"b{i}" for i in range(6)]
+    for share in (0.05, 0.2, 0.3, 0.5, 0.7, 0.95):
+        mine, mine_ahead, replicas = split_ref_pass(own, ahead, share, 4)
+        assert (len(mine) + len(mine_ahead)) % 4 == 0, share
+        assert [*mine, *mine_ahead, *replicas] == [*own, *ahead]
+    # 0.3 of 10 = 3 to the replicas, verl's 7 -> 8 (nearest multiple of 4): replicas take 2
+    assert len(split_ref_pass(own, ahead, 0.3, 4)[2]) == 2
+    # 0.05 -> 1 to the replicas, verl's 9 -> 8: replicas take 2; 0.5 -> verl's 5 -> 4: replicas take 6
+    assert len(split_ref_pass(own, ahead, 0.05, 4)[2]) == 2
+    assert len(split_ref_pass(own, ahead, 0.5, 4)[2]) == 6
+    with pytest.raises(ValueError, match="share"):
+        split_ref_pass(own, ahead, 1.5, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        split_ref_pass(own, ahead, 0.5, 0)
+
+
+def _split_trainer(monkeypatch, replicas=1):
+    """verl's Ref worker group (one rank) beside tide's Ref replicas, tide.ra2p.mode=split, the hand-off on."""
+    from types import SimpleNamespace
+
+    calls = []
+    t, ns, written = _handoff_trainer(monkeypatch, mode="split", ref_service=object())
+    t.ref_pool = _Pool(replicas=replicas)
+    t._ref_pool_wanted = False
+    t.ref_in_actor = False
+    t._ref_split_pending = []
+    t.ra2p_share = None
+    t.ref_policy_wg = SimpleNamespace(world_size=1, compute_ref_log_prob_handoff=calls.append)
+    t.actor_rollout_wg = SimpleNamespace(world_size=1)
+    return t, ns, written, calls
+
+
+def test_split_mode_gives_the_replicas_the_samples_scored_ahead_and_verl_the_mini_batch(monkeypatch):
+    """Before any measurement the replicas' share is their share of the ranks that run Ref (1 of 2): the 4
+    samples scored ahead go to the replica (started, not waited for), the mini-batch to verl's Ref worker
+    group; each sample gets one id, written once."""
+    from verl_tide.ra2p.cost import RA2PMode
+
+    t, ns, written, calls = _split_trainer(monkeypatch)
+    assert t._step_ra2p_mode() is RA2PMode.SPLIT
+    m = {}
+    t._compute_ref_log_prob(_batch(ns, "ab"), m)
+    assert [list(c.keys) for c in calls] == [["a_0", "a_1", "b_0", "b_1"]]
+    assert t.ref_pool.passes == [["c_0", "c_1", "d_0", "d_1"]]
+    assert m["tide/ra2p/ref_pass_samples_on_replicas"] == 4.0 and m["tide/ra2p/ref_pass_samples_ahead"] == 4.0
+    assert len(t._ref_split_pending) == 1  # collected after the Actor's update
+    ids = {k: i for d in written for k, i in d.items()}
+    assert sorted(ids.values()) == list(range(8)) and len(ids) == 8
+    assert t.ref_aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}  # the next mini-batch needs no pass
+    # the cost model's share: 3/4 of the next pass goes to the replica, the end of the mini-batch too
+    t2, ns2, _, calls2 = _split_trainer(monkeypatch)
+    t2.ra2p_share = 0.75
+    t2._compute_ref_log_prob(_batch(ns2, "ab"), {})
+    assert [list(c.keys) for c in calls2] == [["a_0", "a_1"]]
+    assert t2.ref_pool.passes == [["b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]]
+
+
+def test_split_mode_without_a_replica_runs_colocated_on_verls_ref(monkeypatch):
+    from verl_tide.ra2p.cost import RA2PMode
+
+    t, ns, _, calls = _split_trainer(monkeypatch, replicas=0)
+    assert t._step_ra2p_mode() is RA2PMode.COLOCATED  # ERS took the last replica back for rollout
+    m = {}
+    t._compute_ref_log_prob(_batch(ns, "ab"), m)
+    assert len(calls) == 1 and len(calls[0].keys) == 8 and t.ref_pool.passes == []
+    assert m["tide/ra2p/ref_pass_samples_on_replicas"] == 0.0
+    t.ref_pool.replicas.append(object())
+    t._handoff = False  # without the hand-off the Actor's loss could not take the replicas' rows
+    assert t._step_ra2p_mode() is RA2PMode.COLOCATED
+
+
+def test_split_mode_collects_the_replicas_after_the_update_and_learns_their_rate(monkeypatch):
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    monkeypatch.setattr(PPOTrainerSeparateAsync, "_update_actor", lambda self, b, m: b)  # unit only
+    t, ns, _, _ = _split_trainer(monkeypatch)
+
+    class _Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    t.ref_service = SimpleNamespace(discard=_Remote(lambda ids: None), stats=_Remote(lambda: {}),
+                                    take_kl=_Remote(lambda: None))
+    t.ref_policy_wg.discard_ref_handoff = lambda ids: []
+    monkeypatch.setattr("ray.get", lambda x: x)
+    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    metrics = {}
+    t._update_actor(_batch(ns, "ab"), metrics)
+    assert t._ref_split_pending == []
+    # the replica's rate (40 tokens in 0.1 s) is its own stage; verl's Ref pass keeps RA2P's t_ref
+    assert t.stage_timer.rate("ref_rank") == pytest.approx(0.1 / 40) and t.stage_timer.rate("ref") != 0.1 / 40
+    assert metrics["tide/ra2p/ref_worker_s"] == pytest.approx(0.1) and metrics["tide/ra2p/ref_replicas_used"] == 1.0

@@ -7,10 +7,14 @@ import pytest
 from verl_tide.ra2p.cost import (
     RA2PMode,
     StageTimes,
+    best_split,
     choose_mode,
     colocated_cost,
     decoupled_break_even_ras,
     decoupled_cost,
+    ref_rank_saving,
+    ref_ranks_for_decoupled,
+    split_cost,
 )
 
 T = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=3.0)
@@ -150,3 +154,79 @@ def test_choose_mode_prices_colocated_with_its_own_stage_times():
     col_own = choose_mode(ready, dec, 1, 8, colocated_times=StageTimes(1.0, 1.0, 2.0, 1.0))  # 34 s
     assert col_own.colocated_s == 34.0 and col_own.mode is RA2PMode.DECOUPLED
     assert col_same.colocated_s != col_own.colocated_s
+
+
+# ---- split mode: a few Ref ranks score a share of each colocated Ref pass ------------------------
+
+def test_split_cost_hand_computed():
+    ready = [0.0, 0.0, 0.0]
+    # one burst of 3: Ref ranks 0.25 x 3 x 4 = 3; Actor's ranks swap 3 + 0.75 x 3 x 1 + swap 3 + 3 x (1+2) = 17.25
+    assert split_cost(ready, T, ref_ranks_t_ref=4.0, share=0.25, max_aggregate=8) == pytest.approx(17.25)
+    assert split_cost(ready, T, 4.0, 0.5, 8) == pytest.approx(16.5)
+    # Ref ranks too slow for that share: 0.5 x 3 x 20 = 30, then the last backward (2)
+    assert split_cost(ready, T, 20.0, 0.5, 8) == pytest.approx(32.0)
+    assert split_cost(ready, T, 20.0, 0.0, 8) == colocated_cost(ready, T, 8)
+    # two bursts: [0] and [10]; the Ref ranks' part of each fits inside the Actor's
+    assert split_cost([0.0, 10.0], T, 4.0, 0.5, 8) == pytest.approx(19.5)
+
+
+def test_split_cost_rejects_a_share_outside_zero_to_one():
+    for share in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="share"):
+            split_cost([0.0], T, 1.0, share, 8)
+
+
+def test_best_split_balances_the_ref_ranks_against_the_actors():
+    ready = [0.0, 0.0, 0.0]
+    # fast Ref ranks: the largest share on the grid (18 - 3s falls until s = 0.975)
+    share, cost = best_split(ready, T, 4.0, 8)
+    assert share == pytest.approx(0.975) and cost == pytest.approx(18 - 3 * 0.975)
+    # slow Ref ranks: 18 - 3s = 60s + 2 at s ~ 0.254; the grid's 0.25 gives 17.25
+    share, cost = best_split(ready, T, 20.0, 8)
+    assert share == pytest.approx(0.25) and cost == pytest.approx(17.25)
+    # Ref ranks slower than anything the Actor's ranks save: share 0, colocated
+    no_swap = StageTimes(1.0, 1.0, 2.0, 0.0)
+    assert best_split([0.0], no_swap, 1e6, 8) == (0.0, colocated_cost([0.0], no_swap, 8))
+
+
+def test_choose_mode_takes_split_when_ref_ranks_are_too_few_for_decoupled():
+    ready = [0.0, 0.0, 0.0]
+    slow = StageTimes(20.0, 1.0, 2.0, 3.0)  # one micro-batch's Ref on the Ref ranks: 20
+    choice = choose_mode(ready, slow, 1, 8, colocated_times=T, split_ref_t_ref=20.0)
+    assert choice.mode is RA2PMode.SPLIT and choice.ref_share == pytest.approx(0.25)
+    assert choice.split_s == pytest.approx(17.25) and choice.colocated_s == pytest.approx(18.0)
+    assert choice.decoupled_s == pytest.approx(62.0)
+    # fast Ref ranks: decoupled (no swaps) beats split: Ref 4, 8, 12; Actor 6, 10, 14
+    fast = StageTimes(4.0, 1.0, 2.0, 3.0)
+    assert choose_mode(ready, fast, 1, 8, colocated_times=T, split_ref_t_ref=4.0).mode is RA2PMode.DECOUPLED
+    # without split_ref_t_ref, split is no candidate
+    plain = choose_mode(ready, slow, 1, 8, colocated_times=T)
+    assert plain.mode is RA2PMode.COLOCATED and plain.split_s is None
+    # split saves 4% over colocated: no hysteresis between the two (same placement, a share of 0 or more) ...
+    moved = choose_mode(ready, slow, 1, 8, previous=RA2PMode.COLOCATED, hysteresis=0.1, colocated_times=T,
+                        split_ref_t_ref=20.0)
+    assert moved.mode is RA2PMode.SPLIT and moved.ref_share == pytest.approx(0.25)
+    # ... but leaving decoupled for it needs the margin: Ref ranks at 4.5 per micro-batch give decoupled 15.5,
+    # split 15.15 (share 0.95; 2% less): decoupled is kept
+    dec = StageTimes(4.5, 1.0, 2.0, 3.0)
+    fresh = choose_mode(ready, dec, 1, 8, colocated_times=T, split_ref_t_ref=4.5)
+    assert fresh.mode is RA2PMode.SPLIT and fresh.split_s == pytest.approx(15.15) and fresh.decoupled_s == 15.5
+    kept = choose_mode(ready, dec, 1, 8, previous=RA2PMode.DECOUPLED, hysteresis=0.1, colocated_times=T,
+                       split_ref_t_ref=4.5)
+    assert kept.mode is RA2PMode.DECOUPLED and kept.ref_share == 0.0, kept
+
+
+def test_ref_rank_saving_counts_split_mode():
+    ready = [0.0] * 8
+    col = StageTimes(1.0, 1.0, 2.0, 0.5)
+
+    def with_ranks(k):  # 4 Actor ranks' Ref forward on k Ref ranks
+        return StageTimes(4.0 / k, 1.0, 2.0, 0.5)
+
+    # decoupled alone needs 2 Ref ranks to beat colocated; split pays from the first
+    assert ref_ranks_for_decoupled(ready, with_ranks, col, 8, 4) == 2
+    assert ref_ranks_for_decoupled(ready, with_ranks, col, 8, 4, split=True) == 1
+    one = ref_rank_saving(ready, with_ranks, col, 8, have=0, target=1, split=True)
+    assert 0 < one < 0.25
+    assert ref_rank_saving(ready, with_ranks, col, 8, have=0, target=1, split=False) == 0.0
+    assert ref_rank_saving(ready, with_ranks, col, 8, have=2, target=2, split=True) == 0.0

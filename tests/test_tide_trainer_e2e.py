@@ -108,7 +108,8 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1, extra: tuple[str, ...] = ()):
+def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1, extra: tuple[str, ...] = (),
+            replicas_every_step: bool = True):
     """use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1), `mini_batches` updates per step."""
     work = tmp_path_factory.mktemp(f"tide_ref_{mode}")
     kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True,
@@ -125,7 +126,8 @@ def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1, extra: tupl
     if mini_batches == 1:  # (with more, the step's later mini-batches train on updated weights)
         assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
     assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
-    assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
+    if replicas_every_step:
+        assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
     return run, steps, kl_job.train_batch_size * kl_job.rollout_n
 
 
@@ -242,6 +244,29 @@ def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_an
     live = last["tide/ra2p/handoff_ids_live"]
     assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/ref_service_held"] == live, last
     assert last["tide/ra2p/handoff_inputs_held"] == live, last
+
+
+def test_split_mode_scores_shares_of_each_ref_pass_on_verls_ref_and_a_replica(job, tmp_path_factory):
+    """tide.ra2p.mode=split: verl's Ref worker group on the trainer's GPU and one Ref replica on a fake GPU of its
+    own score shares of every Ref pass (which also scores up to 2 ready groups the next steps train): the replica
+    takes its share from the end (the samples scored ahead first), sized by RA2P's cost model (half before the
+    first measurement), and runs while verl's Ref and the Actor work. The Actor's deferred-KL loss takes verl's
+    rows from its own process and the replica's from shared memory, by sample id: KL 0 at step 1 (both score
+    like the Actor), every trained sample's row and inputs arrive once, nothing is left behind."""
+    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "split", extra=("tide.ra2p.max_aggregate=2",),
+                                           replicas_every_step=False)
+    assert "RA2P split: verl's Ref on the trainer's GPUs and 1 Ref replica(s)" in run.output
+    assert all(m["tide/ra2p/step_mode_split"] == 1 for m in steps.values()), steps
+    assert steps[1]["tide/ra2p/ref_pass_samples_on_replicas"] > 0 and steps[1]["tide/ra2p/ref_worker_s"] > 0
+    last = steps[STEPS]
+    trained = STEPS * samples_per_step
+    in_process, from_replica = last["tide/ra2p/handoff_served_in_process"], last["tide/ra2p/ref_service_served"]
+    assert in_process > 0 and from_replica > 0 and in_process + from_replica == trained, last
+    assert last["tide/ra2p/handoff_inputs_in_process"] + last["tide/ra2p/handoff_inputs_from_transfer_queue"] \
+        == trained, last
+    # scored and not trained yet: held once, in the process (verl's share) or in shared memory (the replica's)
+    assert last["tide/ra2p/handoff_held"] + last["tide/ra2p/ref_service_held"] == last["tide/ra2p/handoff_ids_live"]
+    assert "tide/ra2p/predicted_split_s" in last, last
 
 
 def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):

@@ -91,8 +91,9 @@ class CTBConfig:
 class RA2PConfig:
     """Resource-Aware Ref-Actor Pipelining on the trainer (paper Sec. 5.1, App. A)."""
 
-    mode: Literal["auto", "decoupled", "colocated"] = field(
-        default="auto", metadata=_help("auto picks per step from the cost model")
+    mode: Literal["auto", "decoupled", "colocated", "split"] = field(
+        default="auto", metadata=_help("auto picks per step from the cost model; split: Ref replicas score a share "
+                                       "of each Ref pass beside verl's Ref (needs both)")
     )
     hysteresis: float = field(
         default=0.1,
@@ -149,6 +150,11 @@ class ERSConfig:
     min_ref_ranks: int = field(
         default=0, metadata=_check(lambda x: x >= 0, ">= 0",
                                    "elastic ranks kept as Ref while training (evaluation borrows them back)")
+    )
+    min_ref_gain: float = field(
+        default=0.02, metadata=_check(lambda x: 0 <= x < 1, "0 <= x < 1",
+                                      "step-time saving RA2P's cost model must predict before a rollout rank "
+                                      "moves to Ref")
     )
 
 

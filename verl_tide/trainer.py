@@ -58,9 +58,10 @@ from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.ra2p.aggregation import RefAggregator, rank_aligned_order, trim_to_multiple, window_groups_left
-from verl_tide.ra2p.cost import (RA2PMode, StageTimer, choose_mode, decoupled_break_even_ras,
-                                 ref_ranks_for_decoupled)
+from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
+                                        window_groups_left)
+from verl_tide.ra2p.cost import (RA2PMode, StageTimer, best_split, choose_mode, decoupled_break_even_ras,
+                                 ref_rank_saving, ref_ranks_for_decoupled)
 from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.readiness import ReadinessTracker
 
@@ -118,6 +119,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._elastic_batch = self.ers.ideal_batch  # sequences the next step trains (ERS's plan, each boundary)
         self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
         self.ra2p_mode: Optional[Any] = None
+        self.ra2p_share: Optional[float] = None  # split mode: the share of a Ref pass the replicas score (cost model)
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
@@ -129,6 +131,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ref_service: Any = None  # decoupled mode: where the Actor's backward picks ref log-probs up
         self._ref_service_name = ""
         self._ref_in_flight: Optional[tuple] = None
+        self._ref_split_pending: list[tuple] = []  # split mode: the replicas' shares, collected after the update
         self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
         self._released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
         self._handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
@@ -221,6 +224,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if self.tide_config.ra2p.mode == "decoupled" or (self.tide_config.ra2p.mode == "auto" and not kl_in_reward):
             self._start_ref_service()
             how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
+        if self.tide_config.ra2p.mode == "split":
+            print(f"verl-tide: RA2P split: verl's Ref on the trainer's GPUs and {self.tide_config.ra2p.ref_ranks} Ref "
+                  f"replica(s) of their own (ERS may lend rollout ranks as more) score shares of each Ref pass, sized "
+                  f"by RA2P's cost model; the Actor's backward picks the replicas' log-probs up", flush=True)
+            return
         if not self._ref_pool_wanted:
             print(f"verl-tide: verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend "
                   f"up to {self.tide_config.ers.max_ref_ranks} rollout rank(s) to Ref replicas (decoupled placement; "
@@ -247,16 +255,35 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def _step_ra2p_mode(self) -> RA2PMode:
         """The mode this step's mini-batches run in; it can change at every step boundary (`tide.ra2p.mode=auto`
-        follows the cost model's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss;
-        everything else runs colocated: the Actor waits for Ref, one Ref pass per burst of ready groups."""
-        if self.ref_service is None or not self._ref_replicas_up() or self.tide_config.ra2p.mode == "colocated":
+        follows the cost model's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss; split
+        needs them beside verl's Ref worker group; everything else runs colocated: the Actor waits for Ref, one
+        Ref pass per burst of ready groups."""
+        mode = self.tide_config.ra2p.mode
+        if self.ref_service is None or not self._ref_replicas_up() or mode == "colocated":
             return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
-        if self.tide_config.ra2p.mode == "decoupled":
-            return RA2PMode.DECOUPLED
-        return self.ra2p_mode or RA2PMode.DECOUPLED
+        if mode in ("decoupled", "split"):
+            return RA2PMode(mode) if mode == "decoupled" or self._can_split() else RA2PMode.COLOCATED
+        chosen = self.ra2p_mode or RA2PMode.DECOUPLED
+        return RA2PMode.COLOCATED if chosen is RA2PMode.SPLIT and not self._can_split() else chosen
 
     def _ref_replicas_up(self) -> bool:
         return self.ref_pool is not None and bool(self.ref_pool.replicas)
+
+    def _verls_ref_wg(self) -> bool:
+        """verl's Ref worker group exists beside tide's Ref replicas, with the hand-off (the Actor's loss takes
+        ref log-probs by sample id from either): what split mode needs, besides a replica."""
+        return self._handoff and not self._ref_pool_wanted and getattr(self, "ref_policy_wg", None) is not None
+
+    def _can_split(self) -> bool:
+        return self._verls_ref_wg() and self._ref_replicas_up()
+
+    def _split_share(self) -> float:
+        """The share of a Ref pass the replicas score: the cost model's, once stage times are measured; before,
+        their share of the ranks that run Ref (replicas and the Actor's)."""
+        if self.ra2p_share is not None:
+            return self.ra2p_share
+        k = len(self.ref_pool.replicas)
+        return k / (k + max(1, self.actor_rollout_wg.world_size))
 
     # ---- ERS's elastic batch -------------------------------------------------------------
     def step(self, metrics: dict, timing_raw: dict):
@@ -295,6 +322,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
         A batch with samples scored ahead by a colocated step's burst finishes colocated (never mixed)."""
         metrics["tide/ra2p/step_mode_decoupled"] = 0.0
+        metrics["tide/ra2p/step_mode_split"] = float(self._step_ra2p_mode() is RA2PMode.SPLIT)
         if self.ref_service is not None and self._step_ra2p_mode() is RA2PMode.DECOUPLED \
                 and not self.ref_aggregator.any_scored(batch.keys):
             metrics["tide/ra2p/step_mode_decoupled"] = 1.0
@@ -332,26 +360,35 @@ class TideTrainer(PPOTrainerSeparateAsync):
         uids = {key.split("_")[0] for key in batch.keys}
         groups = self.replay_buffer.ready_groups(self.global_steps, limit, exclude=uids) if limit else []
         own, ahead = self.ref_aggregator.burst(list(batch.keys), [(u, list(t)) for u, t in groups], limit)
+        on_replicas: list[str] = []
         if own:
             tags = dict(zip(batch.keys, batch.tags))
             for _uid, group_tags in groups:
                 tags.update(group_tags)
-            if not self._ref_replicas_up():  # verl's Ref worker group splits a pass evenly over its ranks
+            split = self._step_ra2p_mode() is RA2PMode.SPLIT
+            if split:  # the replicas take a share (the samples scored ahead first), verl's workers the rest
                 own = list(batch.keys)
-                wg = self.actor_rollout_wg if self.ref_in_actor else self.ref_policy_wg
-                ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
-            order = self._ref_pass_order(own, ahead)
-            self._score_ref(batch, order, [tags[k] for k in order], metrics)
+                mine, mine_ahead, on_replicas = split_ref_pass(own, ahead, self._split_share(),
+                                                               max(1, self.ref_policy_wg.world_size))
+                order = self._ref_pass_order(mine, mine_ahead, on_verls_wg=True)
+            else:
+                if not self._ref_replicas_up():  # verl's Ref worker group splits a pass evenly over its ranks
+                    own = list(batch.keys)
+                    wg = self.actor_rollout_wg if self.ref_in_actor else self.ref_policy_wg
+                    ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
+                order = self._ref_pass_order(own, ahead)
+            self._score_ref(batch, order, [tags[k] for k in order], metrics, on_replicas if split else None)
             self.ref_aggregator.record_burst(own, ahead)
         self.ref_aggregator.trained(list(batch.keys), ref_pass_ran=bool(own))
         metrics["tide/ra2p/ref_pass_samples"] = float(len(own) + len(ahead))
         metrics["tide/ra2p/ref_pass_samples_ahead"] = float(len(ahead))
+        metrics["tide/ra2p/ref_pass_samples_on_replicas"] = float(len(on_replicas))
         return batch
 
-    def _ref_pass_order(self, own: list[str], ahead: list[str]) -> list[str]:
+    def _ref_pass_order(self, own: list[str], ahead: list[str], on_verls_wg: bool = False) -> list[str]:
         """With the hand-off to verl's Actor (same processes, same data-parallel layout), each Ref rank scores the
         share of the mini-batch its process trains; otherwise verl's order, the mini-batch first."""
-        if not self._inputs_handoff or self._ref_replicas_up():
+        if not self._inputs_handoff or (self._ref_replicas_up() and not on_verls_wg):
             return own + ahead
         actor_wg, ref_wg = self.actor_rollout_wg, self.ref_policy_wg
         layouts = []
@@ -372,12 +409,22 @@ class TideTrainer(PPOTrainerSeparateAsync):
         groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
         return window_groups_left(self._window_mini_batches, self.local_trigger_step, groups_per_mini_batch)
 
-    def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict) -> None:
+    def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict,
+                   on_replicas: Optional[list[str]] = None) -> None:
         """One Ref pass over these samples (the mini-batch's and those scored ahead); when it returns their ref
-        log-probs are in TransferQueue (`ref_log_prob`) or, with the hand-off, where the Actor's loss finds them."""
+        log-probs are in TransferQueue (`ref_log_prob`) or, with the hand-off, where the Actor's loss finds them.
+        Split mode: `keys` on verl's Ref worker group, `on_replicas` on tide's replicas at the same time; the
+        Actor's backward waits for theirs (deferred KL), and `_update_actor` collects the replicas after it."""
         temperature = float(self.config.actor_rollout_ref.rollout.temperature)
+        if on_replicas:
+            ids = self._put_sample_ids(list(on_replicas), batch.partition_id)
+            pending = self.ref_pool.start(list(on_replicas), batch.partition_id, temperature, sample_ids=ids,
+                                          service_name=self._ref_service_name, zero_copy=self.tide_config.ra2p.zero_copy)
+            self._ref_split_pending.append((pending, time.perf_counter()))
+            if not keys:
+                return
         ids = self._put_sample_ids(keys, batch.partition_id) if self._handoff else None
-        if self._ref_replicas_up():
+        if self._ref_replicas_up() and on_replicas is None:
             pending = self.ref_pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
                                           service_name=self._ref_service_name if self._handoff else None)
             self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
@@ -431,6 +478,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self._ref_in_flight = None
             self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
             metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
+        for pending, _started in self._ref_split_pending:  # split mode: the replicas' shares of this update's passes
+            self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
+        self._ref_split_pending = []
         # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.
         released = self.sample_ids.release(batch.keys) + self._released_ids
         self._released_ids = []
@@ -450,9 +500,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return batch
 
     def _observe_ref_workers(self, timing: dict, metrics: dict) -> None:
-        if timing["tokens"] > 0:  # measured on the Ref workers: RA2P's t_ref per token
-            self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
-            metrics["tide/ra2p/ref_worker_s"] = timing["seconds"]
+        if timing["tokens"] > 0:  # measured on the Ref replicas
+            # one replica's seconds per token ("ref_rank"); RA2P's t_ref too when no verl Ref measures it
+            self.stage_timer.observe("ref_rank", int(timing["tokens"]), timing["seconds"] * timing["replicas"])
+            if not self._verls_ref_wg():
+                self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
+            metrics["tide/ra2p/ref_worker_s"] = metrics.get("tide/ra2p/ref_worker_s", 0.0) + timing["seconds"]
             metrics["tide/ra2p/ref_replicas_used"] = timing["replicas"]
 
     def _validation_buffer(self) -> ReplayBufferAsync:
@@ -498,15 +551,19 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # With tide's own Ref replicas, verl must not build its Ref worker group; the flag goes back on after,
         # so verl's step still asks for ref log-probs (answered by `_compute_ref_log_prob` below).
         ers, ref_ranks = self.tide_config.ers, self.tide_config.ra2p.ref_ranks
+        split = self.tide_config.ra2p.mode == "split"
         elastic_ref_only = ers.enabled and ers.min_ref_ranks > 0 and ref_ranks == 0
         if ers.enabled and ers.min_ref_ranks > 0 and not self.use_reference_policy:
             raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: needs a Ref model "
                                    "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward); set it to 0"])
-        self._ref_pool_wanted = bool(self.use_reference_policy and (ref_ranks or elastic_ref_only))
+        if split:
+            self._check_split_mode()
+        # Split mode keeps verl's Ref worker group beside tide's replicas (fixed or elastic): both score shares.
+        self._ref_pool_wanted = bool(self.use_reference_policy and (ref_ranks or elastic_ref_only) and not split)
         # verl's Ref stays on the trainer's GPUs (colocated) and ERS may lend rollout ranks to Ref replicas
         # (decoupled) when tide.ers.max_ref_ranks >= 1 opts in: each holds a whole Ref model beside the engine.
-        beside_verl_ref = bool(self.use_reference_policy and ers.enabled and not self._ref_pool_wanted
-                               and (ers.max_ref_ranks or 0) >= 1)
+        beside_verl_ref = bool(self.use_reference_policy and not self._ref_pool_wanted and (
+            (ers.enabled and (ers.max_ref_ranks or 0) >= 1) or (split and (ref_ranks or elastic_ref_only))))
         if self._ref_pool_wanted:
             self.use_reference_policy = False
         PPOTrainer._setup(self)  # actor (and Ref) worker groups, reward loop, no colocated rollout
@@ -550,6 +607,20 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._start_elastic_ref_ranks()
         self._start_metrics_server()
 
+    def _check_split_mode(self) -> None:
+        """Split mode: replicas hand their rows to the Actor's loss by sample id, beside verl's Ref role."""
+        ers, ra2p = self.tide_config.ers, self.tide_config.ra2p
+        problems = []
+        if not self._handoff:
+            problems.append("tide.ra2p.mode = 'split' needs the KL term in the Actor's loss and the hand-off: "
+                            "actor_rollout_ref.actor.use_kl_loss = true, algorithm.use_kl_in_reward = false, "
+                            "tide.ra2p.zero_copy = true, actor_rollout_ref.actor.strategy fsdp | fsdp2")
+        if not ra2p.ref_ranks and not (ers.enabled and (ers.min_ref_ranks or (ers.max_ref_ranks or 0) >= 1)):
+            problems.append("tide.ra2p.mode = 'split' needs Ref replicas beside verl's Ref: tide.ra2p.ref_ranks >= 1, "
+                            "or ERS (tide.ers.enabled) with tide.ers.min_ref_ranks >= 1 or tide.ers.max_ref_ranks >= 1")
+        if problems:
+            raise TideConfigError(problems)
+
     def _start_elastic_ref_ranks(self) -> None:
         """With no Ref ranks of its own (tide.ra2p.ref_ranks = 0), Ref runs on elastic ranks only: the highest
         tide.ers.min_ref_ranks rollout ranks start as Ref, so step 1 has a Ref replica."""
@@ -564,7 +635,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
                                    f"runs on elastic ranks, and {len(roles)} rollout rank(s) cannot give that many while "
                                    f"keeping tide.ers.min_rollout_ranks = {ers.min_rollout_ranks}"])
         self._switch_to_ref_at_start([RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:missing]])
-        print(f"verl-tide: Ref runs on elastic ranks only (tide.ra2p.ref_ranks = 0): rank(s) "
+        beside = " beside verl's Ref (split)" if self.tide_config.ra2p.mode == "split" else " only"
+        print(f"verl-tide: Ref runs on elastic ranks{beside} (tide.ra2p.ref_ranks = 0): rank(s) "
               f"{sorted(r for r, role in roles.items() if role is Role.REF)} start as Ref", flush=True)
 
     def _switch_to_ref_at_start(self, moves: list[RankMove]) -> None:
@@ -823,30 +895,44 @@ class TideTrainer(PPOTrainerSeparateAsync):
         break_even = ref_needed = None
         ready_times = self.readiness.last_ready_times
         n_actor = max(1, self.actor_rollout_wg.world_size)
+        saving = None
         if self.use_reference_policy and self.stage_timer.ready and ready_times:
             per_mb = max(1, step_tokens // max(1, len(ready_times)))
             times = self.stage_timer.stage_times(per_mb)
+            on_ref_ranks = self._times_on_ref_ranks(times, per_mb, n_actor)
+            # split mode is a candidate where verl's Ref runs beside tide's replicas (and ERS may add some)
+            can_split = self._verls_ref_wg() and self.ref_pool is not None
+            replicas = len(self.ref_pool.replicas) if self._ref_replicas_up() else 0
+            split_t_ref = on_ref_ranks(replicas).t_ref if can_split and replicas else None
             choice = choose_mode(ready_times, times, actor_ranks=n_actor, max_aggregate=len(ready_times),
-                                 previous=self.ra2p_mode, hysteresis=self.tide_config.ra2p.hysteresis)
+                                 previous=self.ra2p_mode, hysteresis=self.tide_config.ra2p.hysteresis,
+                                 split_ref_t_ref=split_t_ref)
             if self.tide_config.ra2p.mode == "auto":
-                self.ra2p_mode = choice.mode
+                self.ra2p_mode, self.ra2p_share = choice.mode, choice.ref_share
+            elif self.tide_config.ra2p.mode == "split" and split_t_ref is not None:
+                self.ra2p_share = best_split(ready_times, times, split_t_ref, len(ready_times))[0]
             m.update({"tide/ra2p/predicted_decoupled_s": choice.decoupled_s,
                       "tide/ra2p/predicted_colocated_s": choice.colocated_s})
+            if choice.split_s is not None:
+                m["tide/ra2p/predicted_split_s"] = choice.split_s
             tprm = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau).tprm_smoothed
             if tprm:
                 break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
-            # k Ref ranks take the Ref forward the n_actor ranks did: t_ref scales by n_actor / k
-            needed = ref_ranks_for_decoupled(
-                ready_times, lambda k: dataclasses.replace(times, t_ref=times.t_ref * n_actor / k), times,
-                len(ready_times), max_ref_ranks=max(1, len(self.rollout_roles) + self.tide_config.ra2p.ref_ranks))
+            fixed = self.tide_config.ra2p.ref_ranks
+            args = (ready_times, on_ref_ranks, times, len(ready_times))
+            needed = ref_ranks_for_decoupled(*args, max_ref_ranks=max(1, len(self.rollout_roles) + fixed),
+                                             split=can_split)
             if needed is not None:  # elastic Ref ranks needed beside the fixed ones
-                ref_needed = max(0, needed - self.tide_config.ra2p.ref_ranks)
+                ref_needed = max(0, needed - fixed)
+                have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
+                saving = ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=can_split)
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
         # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
         ref_floor = 1 if self._ref_pool_wanted and self.tide_config.ra2p.ref_ranks == 0 else 0
         plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, phase=self._ers_phase(),
-                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None, ref_floor=ref_floor)
+                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None, ref_floor=ref_floor,
+                             ref_rank_saving=saving)
         m.update({
             "tide/readiness/ready_at_start": float(signals.ready_at_start),
             "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),
@@ -865,6 +951,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
         return m, plan, signals
+
+    def _times_on_ref_ranks(self, times: Any, per_mb: int, n_actor: int) -> Any:
+        """Stage times with k Ref ranks doing a micro-batch's Ref forward: one replica's measured rate over k; before
+        a replica ran, the Actor's ranks' Ref time scaled by n_actor / k."""
+        rate = self.stage_timer.rate("ref_rank")
+        if rate is not None and self._verls_ref_wg():
+            return lambda k: dataclasses.replace(times, t_ref=rate * per_mb / max(1, k))
+        return lambda k: dataclasses.replace(times, t_ref=times.t_ref * n_actor / max(1, k))
 
     def _ers_phase(self) -> Phase:
         """Evaluation starts after this step's sync and runs during the next step's rollout: ERS allocates

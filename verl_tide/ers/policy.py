@@ -79,10 +79,12 @@ class ERSPolicy:
 
     def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
              phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None,
-             elastic_ref: bool = True, ref_floor: int = 0) -> ScalingPlan:
-        """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has decoupled mode beat colocated for
-        the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown. Ranks move to
-        Ref only while that many can be reached without making rollout the bottleneck.
+             elastic_ref: bool = True, ref_floor: int = 0, ref_rank_saving: Optional[float] = None) -> ScalingPlan:
+        """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has a mode using them (decoupled, or split)
+        beat colocated for the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown.
+        Ranks move to Ref only while that many can be reached without making rollout the bottleneck.
+        `ref_rank_saving`: the step-time saving the cost model predicts from the next move toward that count
+        (`ra2p.cost.ref_rank_saving`); below `tide.ers.min_ref_gain` no rank moves. None when unknown.
         `elastic_ref`: whether a rank moved to Ref would have Ref work (a Ref model and a Ref pool that
         takes replicas); without it no rank moves to Ref. `ref_floor`: Ref ranks that never move back, in
         any phase (Ref has no ranks of its own)."""
@@ -128,6 +130,9 @@ class ERSPolicy:
         src = Role.ROLLOUT if want is Role.REF else Role.REF
         if want is Role.REF:
             short = self._rollout_would_starve(signals, roles, ref_ranks_needed)
+            if not short and ref_rank_saving is not None and ref_rank_saving < self.config.min_ref_gain:
+                short = (f"one more Ref rank saves {ref_rank_saving:.1%} of the step, below tide.ers.min_ref_gain "
+                         f"{self.config.min_ref_gain:.1%}")
             if short:
                 self._streak = (None, 0)
                 return self._finish(step, (), mode, batch, False, f"{why}; no move: {short}")
@@ -143,7 +148,7 @@ class ERSPolicy:
         A backlog (HoL, RAS) says the trainer was behind, not that rollout can spare a rank: found in the
         simulator, where ERS drained the backlog by moving ranks to Ref and then starved the trainer. The
         remaining ranks must still produce a batch per step at the rate measured while rollout worked, and
-        a Ref rank helps only once there are enough of them for decoupled mode to beat colocated (until
+        a Ref rank helps only once there are enough of them for a mode using them to beat colocated (until
         then it idles), so the move must lead there."""
         rate, step_s = signals.rollout_capacity_rate, signals.mean_step_time
         n = sum(1 for r in roles.values() if r is Role.ROLLOUT)
@@ -158,7 +163,7 @@ class ERSPolicy:
             return (f"{n - 1} rollout rank(s) would make {rate * (n - 1) / n:.2f} seq/s, below the {need:.2f} "
                     f"seq/s the trainer consumes")
         if ref_ranks_needed is not None and n_ref + spare < ref_ranks_needed:
-            return (f"decoupled mode needs {ref_ranks_needed} Ref ranks, rollout can spare {spare} "
+            return (f"Ref ranks pay from {ref_ranks_needed}, rollout can spare {spare} "
                     f"(with {n_ref} already Ref)")
         return ""
 

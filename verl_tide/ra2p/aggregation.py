@@ -13,6 +13,7 @@ never mixes samples with and without them (decoupled steps need none to carry th
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -94,6 +95,26 @@ def trim_to_multiple(ahead: Sequence[str], multiple: int, base: int) -> list[str
         raise ValueError(f"multiple = {multiple}: must be >= 1")
     keep = len(ahead) - (base + len(ahead)) % multiple
     return list(ahead[:max(keep, 0)])
+
+
+def split_ref_pass(own: Sequence[str], ahead: Sequence[str], share: float,
+                   multiple: int) -> tuple[list[str], list[str], list[str]]:
+    """RA2P split mode: (verl's own part, verl's ahead part, the Ref replicas' part) of one Ref pass. The
+    replicas take `share` of it from the end: samples scored ahead first, for which no backward waits yet.
+    verl's Ref worker group splits its part evenly over its data-parallel ranks, so that part is a multiple
+    of `multiple`, the one nearest to 1 - share (on a tie, the replicas take more)."""
+    if not 0 <= share <= 1:
+        raise ValueError(f"share = {share!r}: must be 0 <= x <= 1")
+    if multiple < 1:
+        raise ValueError(f"multiple = {multiple}: must be >= 1")
+    keys = [*own, *ahead]
+    n = len(keys)
+    target = n - min(n, math.ceil(share * n))
+    down = target // multiple * multiple
+    up = min(down + multiple, n // multiple * multiple)
+    n_verl = up if up - target < target - down else down
+    verl = keys[:n_verl]
+    return verl[:len(own)], verl[len(own):], keys[n_verl:]
 
 
 def rank_aligned_order(own: Sequence[str], ahead: Sequence[str], ranks: int) -> list[str]:

@@ -18,6 +18,9 @@ from verl_tide.readiness import ready_gaps
 class RA2PMode(str, Enum):
     DECOUPLED = "decoupled"  # Ref on its own ranks, KL deferred to the Actor's backward
     COLOCATED = "colocated"  # Ref and Actor share ranks; ready-batch aggregation
+    # Colocated aggregation with too few Ref ranks for decoupled mode: they score a share of each Ref pass
+    # beside the Actor's ranks (the rest), so every Ref rank ERS lends takes work off the trainer.
+    SPLIT = "split"
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,49 @@ def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregat
     return clock
 
 
+def split_cost(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref: float, share: float,
+               max_aggregate: int) -> float:
+    """Colocated aggregation where Ref ranks score `share` of every Ref pass: the Actor's ranks run the
+    rest of it (between the two swaps), the Ref ranks their part from the burst's start, concurrently;
+    the burst's last backward waits for the Ref ranks (the KL term is deferred to the backward).
+    `times` are the colocated stage times (Ref on the Actor's ranks); `ref_ranks_t_ref` is one micro-batch's
+    Ref forward on the Ref ranks. share = 0 is `colocated_cost`."""
+    if not 0 <= share < 1:
+        raise ValueError(f"share = {share!r}: must be 0 <= x < 1 (all of it on Ref ranks is decoupled mode)")
+    if max_aggregate < 1:
+        raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+    arrivals = sorted(max(a, 0.0) for a in ready_times)
+    clock = ref_free = 0.0
+    j, n = 0, len(arrivals)
+    while j < n:
+        clock = max(clock, arrivals[j])
+        k = 1
+        while j + k < n and k < max_aggregate and arrivals[j + k] <= clock:
+            k += 1
+        ref_free = max(ref_free, clock) + share * k * ref_ranks_t_ref
+        clock += 2 * times.t_swap + (1 - share) * k * times.t_ref + k * (times.t_act_f + times.t_act_b)
+        if share > 0:
+            clock = max(clock, ref_free + times.t_act_b)
+        j += k
+    return clock
+
+
+SHARE_STEPS = 40  # resolution of the Ref ranks' share: 2.5 %
+
+
+def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref: float,
+               max_aggregate: int) -> tuple[float, float]:
+    """(share, C_split): the share of each Ref pass that Ref ranks score with the lowest cost; the smallest
+    share among equal costs (share 0 = colocated)."""
+    best = (0.0, colocated_cost(ready_times, times, max_aggregate))
+    for i in range(1, SHARE_STEPS):
+        share = i / SHARE_STEPS
+        cost = split_cost(ready_times, times, ref_ranks_t_ref, share, max_aggregate)
+        if cost < best[1] - 1e-12:
+            best = (share, cost)
+    return best
+
+
 def global_batch_cost(ready_times: Sequence[float], times: StageTimes) -> float:
     """verl's default: wait for the whole batch, swap in Ref for every micro-batch, swap in Actor for all."""
     m = len(ready_times)
@@ -99,6 +145,9 @@ class StageTimer:
     measured times rather than guesses. Feed `observe(stage, tokens, seconds)` after each pass."""
 
     STAGES = ("ref", "act_f", "act_b", "swap")
+    # Ref forward on one Ref replica (seconds per token): what split mode and ERS weigh when Ref also runs on
+    # the Actor's ranks ("ref"); not needed for `ready`.
+    OPTIONAL = ("ref_rank",)
 
     def __init__(self, smoothing: float = 0.2):
         if not 0 < smoothing <= 1:
@@ -107,13 +156,17 @@ class StageTimer:
         self._rate: dict[str, float] = {}
 
     def observe(self, stage: str, tokens: int, seconds: float) -> None:
-        if stage not in self.STAGES:
-            raise ValueError(f"stage = {stage!r}: must be one of {' | '.join(self.STAGES)}")
+        if stage not in self.STAGES + self.OPTIONAL:
+            raise ValueError(f"stage = {stage!r}: must be one of {' | '.join(self.STAGES + self.OPTIONAL)}")
         if seconds < 0 or (stage != "swap" and tokens <= 0):
             raise ValueError(f"{stage}: tokens = {tokens}, seconds = {seconds}: need tokens > 0, seconds >= 0")
         value = seconds if stage == "swap" else seconds / tokens  # swap time does not scale with tokens
         old = self._rate.get(stage)
         self._rate[stage] = value if old is None else self.smoothing * value + (1 - self.smoothing) * old
+
+    def rate(self, stage: str) -> Optional[float]:
+        """Seconds per token (per swap for `swap`), None before the first observation."""
+        return self._rate.get(stage)
 
     @property
     def ready(self) -> bool:
@@ -134,24 +187,41 @@ class ModeChoice:
     decoupled_s: float
     colocated_s: float
     reason: str
+    split_s: Optional[float] = None  # None: split mode was not a candidate
+    ref_share: float = 0.0  # split mode: the share of each Ref pass the Ref ranks score
 
 
 def choose_mode(ready_times: Sequence[float], times: StageTimes, actor_ranks: int, max_aggregate: int,
                 previous: Optional[RA2PMode] = None, hysteresis: float = 0.1,
-                colocated_times: Optional[StageTimes] = None) -> ModeChoice:
-    """The cheaper mode; a switch away from `previous` needs a relative gain above `hysteresis`.
+                colocated_times: Optional[StageTimes] = None, split_ref_t_ref: Optional[float] = None) -> ModeChoice:
+    """The cheapest mode; a switch away from `previous` needs a relative gain above `hysteresis`.
     `colocated_times`: stage times when Ref runs on the Actor's ranks, if they differ from `times`
-    (decoupled Ref ranks of their own)."""
+    (decoupled Ref ranks of their own). `split_ref_t_ref`: one micro-batch's Ref forward on the Ref
+    ranks, which makes split mode a candidate (Ref ranks exist beside a Ref on the Actor's ranks)."""
     if not 0 <= hysteresis < 1:
         raise ValueError(f"hysteresis = {hysteresis!r}: must be 0 <= x < 1")
-    c_dec = decoupled_cost(ready_times, times, actor_ranks)
-    c_col = colocated_cost(ready_times, colocated_times or times, max_aggregate)
-    best = RA2PMode.DECOUPLED if c_dec < c_col else RA2PMode.COLOCATED
-    cost = {RA2PMode.DECOUPLED: c_dec, RA2PMode.COLOCATED: c_col}
-    if previous is not None and best is not previous and cost[best] > (1 - hysteresis) * cost[previous]:
-        return ModeChoice(previous, c_dec, c_col,
-                          f"keep {previous.value}: {best.value} saves less than {hysteresis:.0%}")
-    return ModeChoice(best, c_dec, c_col, f"{best.value}: C_dec={c_dec:.3f}s C_col={c_col:.3f}s")
+    col_times = colocated_times or times
+    cost = {RA2PMode.DECOUPLED: decoupled_cost(ready_times, times, actor_ranks),
+            RA2PMode.COLOCATED: colocated_cost(ready_times, col_times, max_aggregate)}
+    share = 0.0
+    if split_ref_t_ref is not None:
+        share, c_split = best_split(ready_times, col_times, split_ref_t_ref, max_aggregate)
+        if share > 0:
+            cost[RA2PMode.SPLIT] = c_split
+    best = min(cost, key=lambda m: (cost[m], m is not RA2PMode.COLOCATED))
+    split_s = cost.get(RA2PMode.SPLIT) if split_ref_t_ref is not None else None
+    c_dec, c_col = cost[RA2PMode.DECOUPLED], cost[RA2PMode.COLOCATED]
+    # Colocated and split run the same way (aggregated Ref passes between two swaps), the share of Ref ranks
+    # 0 or more: moving between them changes no placement, so only a switch to or from decoupled needs the margin.
+    if previous is not None and previous in cost and _placement(best) is not _placement(previous) \
+            and cost[best] > (1 - hysteresis) * cost[previous]:
+        keep_share = share if previous is RA2PMode.SPLIT else 0.0
+        return ModeChoice(previous, c_dec, c_col, f"keep {previous.value}: {best.value} saves less than "
+                          f"{hysteresis:.0%}", split_s, keep_share)
+    detail = f" (Ref ranks score {share:.0%} of each Ref pass)" if best is RA2PMode.SPLIT else ""
+    costs = " ".join(f"C_{m.value[:3]}={c:.3f}s" for m, c in cost.items())
+    return ModeChoice(best, c_dec, c_col, f"{best.value}{detail}: {costs}", split_s,
+                      share if best is RA2PMode.SPLIT else 0.0)
 
 
 def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTimes, actor_ranks: int,
@@ -166,11 +236,40 @@ def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTime
 
 
 def ref_ranks_for_decoupled(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
-                            colocated_times: StageTimes, max_aggregate: int, max_ref_ranks: int) -> Optional[int]:
-    """Fewest Ref ranks (1..max_ref_ranks) with which decoupled mode beats colocated on these arrivals;
-    None if none does. `times_with_ref_ranks(k)` gives the stage times when k Ref ranks serve the Actor."""
+                            colocated_times: StageTimes, max_aggregate: int, max_ref_ranks: int,
+                            split: bool = False) -> Optional[int]:
+    """Fewest Ref ranks (1..max_ref_ranks) with which decoupled mode (or split mode, with `split`) beats
+    colocated on these arrivals; None if none does. `times_with_ref_ranks(k)` gives the stage times when k
+    Ref ranks serve the Actor."""
     c_col = colocated_cost(ready_times, colocated_times, max_aggregate)
     for k in range(1, max_ref_ranks + 1):
-        if decoupled_cost(ready_times, times_with_ref_ranks(k), actor_ranks=1) < c_col:
+        if cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, k, split) < c_col:
             return k
     return None
+
+
+def _placement(mode: RA2PMode) -> RA2PMode:
+    return RA2PMode.COLOCATED if mode is RA2PMode.SPLIT else mode
+
+
+def cost_with_ref_ranks(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
+                        colocated_times: StageTimes, max_aggregate: int, ref_ranks: int, split: bool) -> float:
+    """The step's predicted time with `ref_ranks` Ref ranks, in the best mode they allow (colocated with 0;
+    also decoupled, and split when Ref on the Actor's ranks remains available)."""
+    c_col = colocated_cost(ready_times, colocated_times, max_aggregate)
+    if ref_ranks < 1:
+        return c_col
+    t = times_with_ref_ranks(ref_ranks)
+    best = min(c_col, decoupled_cost(ready_times, t, actor_ranks=1))
+    if split:
+        best = min(best, best_split(ready_times, colocated_times, t.t_ref, max_aggregate)[1])
+    return best
+
+
+def ref_rank_saving(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
+                    colocated_times: StageTimes, max_aggregate: int, have: int, target: int, split: bool) -> float:
+    """Relative step-time saving the cost model predicts from `have` Ref ranks to `target` (>= 0; what ERS
+    weighs before taking a rank from rollout)."""
+    now = cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, have, split)
+    then = cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, target, split)
+    return max(0.0, (now - then) / now) if now > 0 else 0.0

@@ -33,8 +33,9 @@ from typing import Optional
 from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
-from verl_tide.ra2p.cost import (RA2PMode, StageTimes, choose_mode, colocated_cost, decoupled_break_even_ras,
-                                 decoupled_cost, global_batch_cost, ref_ranks_for_decoupled, streaming_swap_cost)
+from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimes, choose_mode, colocated_cost,
+                                 decoupled_break_even_ras, decoupled_cost, global_batch_cost, ref_rank_saving,
+                                 ref_ranks_for_decoupled, split_cost, streaming_swap_cost)
 from verl_tide.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
@@ -364,15 +365,16 @@ class Simulation:
         return StageTimes(t_ref, tokens_per_mb * c.act_f_s_per_token / t, tokens_per_mb * c.act_b_s_per_token / t,
                           c.swap_s)
 
-    def _choose_ra2p_mode(self) -> RA2PMode:
+    def _choose_ra2p_mode(self) -> ModeChoice:
         """RA2P per step, as production does it: the cost model on the last step's ready times and measured
-        stage times; decoupled needs Ref ranks (ERS gives them)."""
+        stage times; decoupled and split need Ref ranks (ERS gives them)."""
         if not self.ref_ranks or not self.tracker.last_ready_times:
-            return RA2PMode.COLOCATED
+            return ModeChoice(RA2PMode.COLOCATED, 0.0, 0.0, "no Ref ranks")
         tokens = self._last_tokens_per_mb
-        return choose_mode(self.tracker.last_ready_times, self._stage_times(tokens, len(self.ref_ranks)), 1,
-                           self.spec.max_aggregate, previous=self._ra2p_mode, hysteresis=self.tide_ra2p.hysteresis,
-                           colocated_times=self._stage_times(tokens)).mode
+        dec = self._stage_times(tokens, len(self.ref_ranks))
+        return choose_mode(self.tracker.last_ready_times, dec, 1, self.spec.max_aggregate, previous=self._ra2p_mode,
+                           hysteresis=self.tide_ra2p.hysteresis, colocated_times=self._stage_times(tokens),
+                           split_ref_t_ref=dec.t_ref)
 
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
@@ -389,9 +391,11 @@ class Simulation:
             if self._hybrid_on:
                 self._hybrid(wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
-            mode = self._choose_ra2p_mode() if self.spec.consume == "ra2p" else None
+            choice = self._choose_ra2p_mode() if self.spec.consume == "ra2p" else None
+            mode = choice.mode if choice else None
             self._ra2p_mode = mode or self._ra2p_mode
-            self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode}
+            self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode,
+                              "share": choice.ref_share if choice else 0.0}
             self.tracker.step_started(t=start)
         step = self.step_open
         while self.micro_batches and len(step["mbs"]) < self._step_M:
@@ -420,26 +424,31 @@ class Simulation:
         ready_rel = [mb[1] - start for mb in mbs]
         tokens = sum(mb[3] for mb in mbs)
         decoupled = self.spec.consume == "ra2p" and step["mode"] is RA2PMode.DECOUPLED
+        share = step["share"] if self.spec.consume == "ra2p" and step["mode"] is RA2PMode.SPLIT else 0.0
         times = self._stage_times(tokens / len(mbs), len(self.ref_ranks) if decoupled else 0)
         self._last_tokens_per_mb = tokens / len(mbs)
+        ref_ranks_t_ref = self._stage_times(tokens / len(mbs), len(self.ref_ranks)).t_ref if share else 0.0
         if self.spec.consume == "global":
             cost, mode = global_batch_cost([0.0] * len(mbs), times), "global"
         elif self.spec.consume == "stream_swap":
             cost, mode = streaming_swap_cost(ready_rel, times), "stream_swap"
         elif decoupled:
             cost, mode = decoupled_cost(ready_rel, times, actor_ranks=1), "decoupled"
+        elif share:
+            cost, mode = split_cost(ready_rel, times, ref_ranks_t_ref, share, self.spec.max_aggregate), "split"
         else:
             cost, mode = colocated_cost(ready_rel, times, self.spec.max_aggregate), "colocated"
         end = start + cost
-        busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else len(mbs) * times.t_ref)
+        busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else
+                                                                   (1 - share) * len(mbs) * times.t_ref)
         wait_from = self.trainer_free_at
         actor_wait = max(0.0, end - wait_from - busy_actor - self._swaps(mode, len(mbs)) * times.t_swap
                          - self._hybrid_served_s)
         self._hybrid_served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
         self.tracker.trainer_waited(actor_wait)
-        if self.ref_ranks:  # Ref ranks idle unless decoupled mode feeds them
-            ref_busy = len(mbs) * times.t_ref if decoupled else 0.0
+        if self.ref_ranks:  # Ref ranks idle unless decoupled or split mode feeds them
+            ref_busy = len(mbs) * (times.t_ref if decoupled else share * ref_ranks_t_ref)
             self.twt_gpu_s += len(self.ref_ranks) * max(0.0, end - wait_from - ref_busy)
         self.ledger["consumed_tokens"] += tokens
         self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
@@ -481,12 +490,16 @@ class Simulation:
         signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
         phase = Phase.EVAL if eval_next else Phase.TRAIN
         t0 = time.perf_counter()
-        needed = None
+        needed = saving = None
         if self.tracker.last_ready_times and self._last_tokens_per_mb:
-            tok = self._last_tokens_per_mb
-            needed = ref_ranks_for_decoupled(self.tracker.last_ready_times, lambda k: self._stage_times(tok, k),
-                                             self._stage_times(tok), self.spec.max_aggregate, len(roles))
-        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed)
+            tok, ready = self._last_tokens_per_mb, self.tracker.last_ready_times
+            args = (ready, lambda k: self._stage_times(tok, k), self._stage_times(tok), self.spec.max_aggregate)
+            needed = ref_ranks_for_decoupled(*args, len(roles), split=True)
+            if needed is not None:
+                saving = ref_rank_saving(*args, have=len(self.ref_ranks),
+                                         target=max(len(self.ref_ranks) + 1, needed), split=True)
+        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed,
+                             ref_rank_saving=saving)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
         # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
         self._step_M = ERSPolicy.mini_batches(plan.batch_size, self.mb_size, self.M)
