@@ -1053,7 +1053,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         c = self.ref_aggregator.counters
         passes = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
                   f"{c.batches_without_ref_pass} mini-batches needed none")
-        chosen = "measuring stage times" if self.ra2p_mode is None else f"{self.ra2p_mode.value} chosen"
+        mode = self.tide_config.ra2p.mode
+        if mode != "auto":
+            chosen = f"{mode} (tide.ra2p.mode)"
+        else:
+            chosen = "measuring stage times" if self.ra2p_mode is None else f"{self.ra2p_mode.value} chosen"
+        if self._step_ra2p_mode() is RA2PMode.SPLIT:
+            chosen += f", replicas' share {self._split_share():.0%}"
         if self.ref_pool is None:
             return f"{chosen}; colocated with verl's Ref ({passes})"
         return (f"{chosen}; next step runs {self._step_ra2p_mode().value} "
