@@ -230,3 +230,24 @@ def test_ref_rank_saving_counts_split_mode():
     assert 0 < one < 0.25
     assert ref_rank_saving(ready, with_ranks, col, 8, have=0, target=1, split=False) == 0.0
     assert ref_rank_saving(ready, with_ranks, col, 8, have=2, target=2, split=True) == 0.0
+
+
+def test_best_split_finds_the_grids_optimum_or_comes_close():
+    """best_split searches coarse-then-fine (ERS's plan budget); against every share on the grid, on random
+    arrivals and stage times, it is exact almost always and never more than 5% off."""
+    import random
+
+    from verl_tide.ra2p.cost import SHARE_STEPS
+
+    rng = random.Random(0)
+    exact = 0
+    for _ in range(500):
+        ready = sorted(rng.uniform(-5, 30) for _ in range(rng.randint(1, 16)))
+        t = StageTimes(rng.uniform(0.1, 3), rng.uniform(0.1, 3), rng.uniform(0.1, 6), rng.uniform(0, 3))
+        t_k, agg = rng.uniform(0.1, 50), rng.randint(1, 8)
+        grid = min([colocated_cost(ready, t, agg)] +
+                   [split_cost(ready, t, t_k, i / SHARE_STEPS, agg) for i in range(1, SHARE_STEPS)])
+        _, found = best_split(ready, t, t_k, agg)
+        assert grid - 1e-9 <= found <= grid * 1.05
+        exact += found <= grid + 1e-9
+    assert exact >= 490

@@ -176,6 +176,9 @@ def test_ers_moves_ranks_to_ref_when_the_trainer_is_the_bottleneck_and_never_fla
                 assert i - last[rank][0] >= sim.ers_cfg.cooldown_steps, (rank, last[rank], i, dst)
             last[rank] = (i, dst)
     assert last  # some rank did move
+    # one Ref rank beside 4 Actor ranks is too few for decoupled mode: it takes a share of the Ref passes (split)
+    assert any(s["mode"] == "split" and s["ref_ranks"] == 1 for s in r.steps), [(s["mode"], s["ref_ranks"])
+                                                                                 for s in r.steps]
 
 
 def test_oracle_bounds_every_system():

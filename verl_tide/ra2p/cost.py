@@ -115,13 +115,20 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
                max_aggregate: int) -> tuple[float, float]:
     """(share, C_split): the share of each Ref pass that Ref ranks score with the lowest cost; the smallest
     share among equal costs (share 0 = colocated)."""
-    best = (0.0, colocated_cost(ready_times, times, max_aggregate))
-    for i in range(1, SHARE_STEPS):
-        share = i / SHARE_STEPS
-        cost = split_cost(ready_times, times, ref_ranks_t_ref, share, max_aggregate)
-        if cost < best[1] - 1e-12:
-            best = (share, cost)
-    return best
+    costs = {0: colocated_cost(ready_times, times, max_aggregate)}
+
+    def cost(i: int) -> float:
+        if i not in costs:
+            costs[i] = split_cost(ready_times, times, ref_ranks_t_ref, i / SHARE_STEPS, max_aggregate)
+        return costs[i]
+
+    # A coarse pass, then every step around its best (ERS weighs this for several Ref-rank counts per plan,
+    # within its 1 ms budget): the cost falls with the share while the Actor's ranks are the bottleneck and
+    # rises once the Ref ranks are, so the refined optimum is the grid's.
+    coarse = SHARE_STEPS // 8
+    best = min(range(0, SHARE_STEPS, coarse), key=lambda i: (cost(i), i))
+    best = min(range(max(0, best - coarse + 1), min(SHARE_STEPS, best + coarse)), key=lambda i: (cost(i), i))
+    return best / SHARE_STEPS, cost(best)
 
 
 def global_batch_cost(ready_times: Sequence[float], times: StageTimes) -> float:

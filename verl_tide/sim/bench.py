@@ -93,7 +93,8 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
-    # tide from every start ratio: ERS moves ranks between rollout and Ref only, so it does not find the split
+    # tide from every start ratio: ERS moves ranks between rollout and Ref only (a Ref rank takes Ref work off
+    # the trainer, no rank joins rollout from it), so from a rollout-starved start it cannot find the split
     # for the user; this shows what a worse (or better) start costs.
     tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
     oracle = oracle_goodput(w, gpus, hw)
@@ -131,7 +132,7 @@ def format_table(report: dict) -> str:
                  f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
     starts = report.get("tide_start_ratio_sweep", {})
     if starts:
-        lines.append("tide by start ratio (ERS moves rollout<->Ref only; it does not find the split): " + ", ".join(
+        lines.append("tide by start ratio (ERS moves rollout<->Ref only; a rollout-starved start stays so): " + ", ".join(
             f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" for row in starts.values()))
     return "\n".join(lines)
 
