@@ -10,6 +10,10 @@ same architecture (random init, `--layers/--hidden`). Four ways to run the step,
 - colocated: RA2P colocated mode: aggregate every ready micro-batch per swap (one Ref load per burst).
 - decoupled: RA2P decoupled mode: Ref on its own worker process computes ref log-probs as data
   arrives and streams them to the Actor process, whose forward starts without them (deferred KL).
+- split: RA2P split mode: colocated aggregation, but a Ref worker process scores a share of each
+  burst's rows (from its end; the share from `best_split`) while the Actor process runs the rest
+  between its two swaps; a micro-batch's backward waits for the worker's rows (deferred KL).
+  split_half: the same at a fixed share of one half (checks the cost model away from its optimum).
 
 A "swap" loads the other model's weights into the one device-resident module (a real copy of every
 parameter, from a pinned host copy on GPU). Stage times (t_ref, t_act_f, t_act_b, t_swap) are
@@ -30,7 +34,7 @@ import statistics
 import time
 from dataclasses import asdict
 
-MODES = ("global_wait", "streaming_swap", "colocated", "decoupled")
+MODES = ("global_wait", "streaming_swap", "colocated", "decoupled", "split", "split_half")
 
 
 def build(args, seed: int):
@@ -211,6 +215,77 @@ def run_decoupled(args, data, arrivals) -> float:
     return elapsed
 
 
+def _split_ref_worker(args, ready, in_q, out_q):
+    """The split mode's Ref rank: scores the rows it is sent, in order, until told to stop (None)."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = build(args, seed=2)
+    data = batches(args)
+    with torch.no_grad():
+        token_logprobs(model, data[0].to(args.device))
+    ready.set()
+    while (item := in_q.get()) is not None:
+        i, lo, hi = item
+        with torch.no_grad():
+            out_q.put((i, lo, token_logprobs(model, data[i][lo:hi].to(args.device)).cpu().numpy()))
+
+
+def run_split(args, w: Colocated, data, arrivals, share: float) -> float:
+    """Colocated aggregation with a share of every burst's Ref rows on a Ref worker process: the worker's rows
+    are sent when the burst starts (from the burst's end), the Actor process swaps in Ref for the rest, swaps
+    back and trains each micro-batch, its backward taking the worker's rows when they are there."""
+    import torch
+
+    ctx = mp.get_context("spawn")
+    ready, in_q, out_q = ctx.Event(), ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_split_ref_worker, args=(args, ready, in_q, out_q), daemon=True)
+    proc.start()
+    if not ready.wait(timeout=600):
+        raise RuntimeError("split Ref worker did not start")
+    w.swap("actor")
+    rows = args.mb_size
+    order = sorted(range(len(data)), key=lambda i: arrivals[i])
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    start = time.perf_counter()
+    j = 0
+    while j < len(order):
+        wait_until(start, arrivals[order[j]])
+        now = time.perf_counter() - start
+        k = 1
+        while j + k < len(order) and arrivals[order[j + k]] <= now:
+            k += 1
+        burst = order[j:j + k]
+        # the worker's rows: the burst's last `remote` rows; the Actor process keeps at least one (share < 1)
+        remote = min(round(share * k * rows), k * rows - 1)
+        local_rows = k * rows - remote
+        pieces: dict[int, list[tuple[int, int, bool]]] = {}  # micro-batch -> (lo, hi, on the worker)
+        for n, i in enumerate(burst):
+            cut = min(rows, max(0, local_rows - n * rows))  # rows of this micro-batch the Actor process scores
+            pieces[i] = [(0, cut, False)] if cut else []
+            if cut < rows:
+                pieces[i].append((cut, rows, True))
+                in_q.put((i, cut, rows))
+        w.swap("ref")
+        for i in burst:
+            for lo, hi, remote_piece in pieces[i]:
+                if not remote_piece:
+                    got[(i, lo)] = w.ref_forward(data[i][lo:hi])
+        w.swap("actor")
+        for i in burst:
+            logp = w.actor_forward(data[i])
+            while any((i, lo) not in got for lo, _, _ in pieces[i]):
+                mb, lo, r = out_q.get()
+                got[(mb, lo)] = torch.from_numpy(r)
+            ref = torch.cat([got.pop((i, lo)).to(logp.device) for lo, _, _ in pieces[i]])
+            w.actor_backward(logp, ref)
+        j += k
+    elapsed = time.perf_counter() - start
+    in_q.put(None)
+    proc.join(timeout=60)
+    return elapsed
+
+
 def patterns(m: int, t_act: float) -> dict[str, list[float]]:
     return {
         "all_ready": [0.0] * m,
@@ -220,9 +295,12 @@ def patterns(m: int, t_act: float) -> dict[str, list[float]]:
     }
 
 
-def predict(mode: str, arrivals, times, m: int) -> float:
-    from verl_tide.ra2p.cost import colocated_cost, decoupled_cost, global_batch_cost, streaming_swap_cost
+def predict(mode: str, arrivals, times, m: int, share: float = 0.0) -> float:
+    from verl_tide.ra2p.cost import (colocated_cost, decoupled_cost, global_batch_cost, split_cost,
+                                     streaming_swap_cost)
 
+    if mode in ("split", "split_half"):  # the Ref worker at the measured Ref speed (same device, own process)
+        return split_cost(arrivals, times, times.t_ref, share, max_aggregate=m)
     if mode == "global_wait":
         return global_batch_cost(arrivals, times)
     if mode == "streaming_swap":
@@ -259,7 +337,7 @@ def main() -> None:
 
     import torch
 
-    from verl_tide.ra2p.cost import StageTimes, choose_mode
+    from verl_tide.ra2p.cost import StageTimes, best_split, choose_mode
 
     torch.set_num_threads(args.threads)
     data = batches(args)
@@ -271,20 +349,29 @@ def main() -> None:
           f"swap {times.t_swap:.3f}", flush=True)
     rows = []
     for name, arrivals in patterns(args.micro_batches, t_act).items():
-        choice = choose_mode(arrivals, times, actor_ranks=1, max_aggregate=args.micro_batches, hysteresis=0.0)
+        choice = choose_mode(arrivals, times, actor_ranks=1, max_aggregate=args.micro_batches, hysteresis=0.0,
+                             split_ref_t_ref=times.t_ref)
+        share = best_split(arrivals, times, times.t_ref, args.micro_batches)[0]
         modes = {}
         for mode in MODES:
-            measured = (run_decoupled(args, data, arrivals) if mode == "decoupled"
-                        else run_colocated_mode(mode, args, w, data, arrivals))
-            modes[mode] = {"measured_s": measured, "predicted_s": predict(mode, arrivals, times, args.micro_batches)}
+            if mode == "decoupled":
+                measured = run_decoupled(args, data, arrivals)
+            elif mode in ("split", "split_half"):
+                measured = run_split(args, w, data, arrivals, share if mode == "split" else 0.5)
+            else:
+                measured = run_colocated_mode(mode, args, w, data, arrivals)
+            modes[mode] = {"measured_s": measured,
+                           "predicted_s": predict(mode, arrivals, times, args.micro_batches,
+                                                  share if mode == "split" else 0.5)}
             print(f"  {name:<11} {mode:<15} measured {measured:7.3f}s  predicted {modes[mode]['predicted_s']:7.3f}s",
                   flush=True)
+        modes["split"]["share"], modes["split_half"]["share"] = share, 0.5
         rows.append({"name": name, "chosen": choice.mode.value, "modes": modes})
     print()
     print(f"{'pattern':<11} {'chosen':<10} " + " ".join(f"{m:>22}" for m in MODES) + "   chosen/best  vs streaming")
     for r in rows:
         cells = " ".join(f"{r['modes'][m]['measured_s']:>9.2f} ({r['modes'][m]['predicted_s']:>8.2f})" for m in MODES)
-        best = min(r["modes"][m]["measured_s"] for m in ("colocated", "decoupled"))
+        best = min(r["modes"][m]["measured_s"] for m in ("colocated", "decoupled", "split"))
         chosen = r["modes"][r["chosen"]]["measured_s"]
         gain = 1 - chosen / r["modes"]["streaming_swap"]["measured_s"]
         print(f"{r['name']:<11} {r['chosen']:<10} {cells}   {chosen / best:>10.3f}  {gain:>+10.1%}")
