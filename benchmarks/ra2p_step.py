@@ -130,6 +130,19 @@ def wait_until(start: float, at: float) -> None:
         time.sleep(delay)
 
 
+def ready_bursts(order: list[int], arrivals, start: float):
+    """Ready-batch aggregation's bursts: wait for the next micro-batch, then take every one ready by then."""
+    j = 0
+    while j < len(order):
+        wait_until(start, arrivals[order[j]])
+        now = time.perf_counter() - start
+        k = 1
+        while j + k < len(order) and arrivals[order[j + k]] <= now:
+            k += 1
+        yield order[j:j + k]
+        j += k
+
+
 def run_colocated_mode(mode: str, args, w: Colocated, data, arrivals) -> float:
     w.swap("actor")
     order = sorted(range(len(data)), key=lambda i: arrivals[i])
@@ -149,20 +162,12 @@ def run_colocated_mode(mode: str, args, w: Colocated, data, arrivals) -> float:
             w.swap("actor")
             w.actor_backward(w.actor_forward(data[i]), ref)
     elif mode == "colocated":
-        j = 0
-        while j < len(order):
-            wait_until(start, arrivals[order[j]])
-            now = time.perf_counter() - start
-            k = 1
-            while j + k < len(order) and arrivals[order[j + k]] <= now:
-                k += 1
-            burst = order[j:j + k]
+        for burst in ready_bursts(order, arrivals, start):
             w.swap("ref")
             refs = [w.ref_forward(data[i]) for i in burst]
             w.swap("actor")
             for i, ref in zip(burst, refs):
                 w.actor_backward(w.actor_forward(data[i]), ref)
-            j += k
     else:
         raise ValueError(mode)
     return time.perf_counter() - start
@@ -248,14 +253,8 @@ def run_split(args, w: Colocated, data, arrivals, share: float) -> float:
     order = sorted(range(len(data)), key=lambda i: arrivals[i])
     got: dict[tuple[int, int], torch.Tensor] = {}
     start = time.perf_counter()
-    j = 0
-    while j < len(order):
-        wait_until(start, arrivals[order[j]])
-        now = time.perf_counter() - start
-        k = 1
-        while j + k < len(order) and arrivals[order[j + k]] <= now:
-            k += 1
-        burst = order[j:j + k]
+    for burst in ready_bursts(order, arrivals, start):
+        k = len(burst)
         # the worker's rows: the burst's last `remote` rows; the Actor process keeps at least one (share < 1)
         remote = min(round(share * k * rows), k * rows - 1)
         local_rows = k * rows - remote
@@ -279,7 +278,6 @@ def run_split(args, w: Colocated, data, arrivals, share: float) -> float:
                 got[(mb, lo)] = torch.from_numpy(r)
             ref = torch.cat([got.pop((i, lo)).to(logp.device) for lo, _, _ in pieces[i]])
             w.actor_backward(logp, ref)
-        j += k
     elapsed = time.perf_counter() - start
     in_q.put(None)
     proc.join(timeout=60)

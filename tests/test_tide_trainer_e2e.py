@@ -379,6 +379,44 @@ def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_s
     assert last["tide/ledger/groups_consumed"] == 2 * kl_job.train_batch_size
 
 
+def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_url, tmp_path_factory):
+    """The layout the simulator's tide models: verl's Ref on the trainer's GPU, and a rollout rank that ERS lends
+    to Ref (here from the start: tide.ers.min_ref_ranks=1, tide.ra2p.ref_ranks=0). With tide.ra2p.mode=split the
+    lent rank's Ref replica scores a share of each Ref pass beside verl's Ref. After step 2 an evaluation
+    follows (test_freq=2): ERS takes the rank back for rollout (verl's Ref remains, so no Ref rank has to
+    stay), and step 3 runs colocated on verl's Ref alone. Every trained row arrives once, the ledger balances."""
+    work = tmp_path_factory.mktemp("tide_split_elastic")
+    kl_job = _ers_job(job)
+    overrides = with_overrides(grpo_overrides(kl_job), [
+        *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
+        "tide.ra2p.mode=split", "tide.ers.min_ref_ranks=1", "tide.ers.cooldown_steps=0", "trainer.test_freq=2"])
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=720)
+    assert run.returncode == 0, run.output[-6000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert "Ref runs on elastic ranks beside verl's Ref (split) (tide.ra2p.ref_ranks = 0): rank(s) [1] start as Ref" \
+        in run.output
+    first, second, third = steps[1], steps[2], steps[3]
+    for m in (first, second):  # rank 1 is Ref: CTB routes to rank 0, the replica scores a share
+        assert m["tide/ctb/ranks"] == 1 and m["tide/ra2p/step_mode_split"] == 1, m
+    assert first["tide/ra2p/ref_pass_samples_on_replicas"] > 0 and first["tide/ra2p/ref_replicas_used"] == 1
+    assert "eval: generation dominates" in run.output and "rank 1 -> rollout" in run.output
+    assert second["tide/ers/ranks_rollout"] == 2 and second["tide/ra2p/ref_replicas"] == 0, second
+    # step 3: both ranks roll out, verl's Ref scores everything (colocated)
+    assert third["tide/ctb/ranks"] == 2 and third["tide/ra2p/step_mode_split"] == 0, third
+    assert third["tide/ra2p/ref_pass_samples_on_replicas"] == 0
+    assert abs(first["actor/kl_loss"]) < 1e-6 and third["actor/kl_loss"] > 1e-4
+    trained = STEPS * kl_job.train_batch_size * kl_job.rollout_n
+    assert third["tide/ra2p/handoff_served_in_process"] + third["tide/ra2p/ref_service_served"] == trained, third
+    assert third["tide/ra2p/ref_service_served"] > 0  # the replica's rows, through shared memory
+    assert third["tide/ra2p/handoff_held"] + third["tide/ra2p/ref_service_held"] == third["tide/ra2p/handoff_ids_live"]
+    settled = sum(third[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                            "dropped_failed"))
+    assert settled + third["tide/ledger/groups_in_flight"] == third["tide/ledger/groups_submitted"]
+    assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
+
+
 def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_bad_layout")
     single = GRPOJob(**{**job.__dict__, "n_gpus": 1, "ppo_mini_batch_size": None})
