@@ -481,3 +481,39 @@ def test_split_mode_collects_the_replicas_after_the_update_and_learns_their_rate
     # the replica's rate (40 tokens in 0.1 s) is its own stage; verl's Ref pass keeps RA2P's t_ref
     assert t.stage_timer.rate("ref_rank") == pytest.approx(0.1 / 40) and t.stage_timer.rate("ref") != 0.1 / 40
     assert metrics["tide/ra2p/ref_worker_s"] == pytest.approx(0.1) and metrics["tide/ra2p/ref_replicas_used"] == 1.0
+
+
+def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoupled():
+    """verl's Ref on 4 Actor ranks (0.1 s a micro-batch), one replica measured at 4x that per token (0.4 s):
+    colocated 0.05 + 8 x 0.1 + 0.05 + 8 x 0.3 = 3.3 s; decoupled on the replica 0.4 x 8 + 0.2 = 3.4 s (not
+    Appendix A's grouping at verl's speed); split balances 3.3 - 0.8 s against 3.2 s + 0.2 at s = 0.775."""
+    from types import SimpleNamespace
+
+    from verl_tide.ers.policy import Role
+    from verl_tide.ra2p.cost import RA2PMode, StageTimer
+
+    t, _ = _trainer(mode="auto", ref_service=object())
+    t._handoff, t._ref_pool_wanted = True, False
+    t.ref_policy_wg = SimpleNamespace(world_size=4)
+    t.actor_rollout_wg = SimpleNamespace(world_size=4)
+    t.use_reference_policy = True
+    t.readiness = SimpleNamespace(last_ready_times=[0.0] * 8,
+                                  signals=lambda **kw: SimpleNamespace(tprm_smoothed=None))
+    t.ers = SimpleNamespace(ideal_batch=16)
+    t.rollout_roles = {0: Role.ROLLOUT, 1: Role.REF}
+    t.stage_timer = StageTimer()
+    for stage, seconds in (("ref", 1.0), ("act_f", 1.0), ("act_b", 2.0), ("ref_rank", 4.0)):
+        t.stage_timer.observe(stage, 1000, seconds)
+    t.stage_timer.observe("swap", 0, 0.05)
+    m = {}
+    break_even, needed, saving = t._ra2p_decision(800, m)  # 8 micro-batches of 100 tokens
+    assert t.ra2p_mode is RA2PMode.SPLIT and t.ra2p_share == pytest.approx(0.775)
+    assert m["tide/ra2p/predicted_colocated_s"] == pytest.approx(3.3)
+    assert m["tide/ra2p/predicted_decoupled_s"] == pytest.approx(3.4)
+    assert m["tide/ra2p/predicted_split_s"] == pytest.approx(3.3 - 0.8 * 0.775)
+    assert break_even is None and needed == 1  # split pays from the first Ref rank
+    assert 0.0 < saving < 0.2  # a second replica: decoupled at 2.5 s against split's 2.68 s
+    # without verl's Ref beside the replicas there is nothing to split with: no split candidate
+    t._ref_pool_wanted, t.ra2p_mode = True, None
+    t._ra2p_decision(800, m2 := {})
+    assert t.ra2p_mode is not RA2PMode.SPLIT and "tide/ra2p/predicted_split_s" not in m2

@@ -892,40 +892,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._observe_stage_times(step_tokens)
         m: dict[str, Any] = self.ledger.snapshot()
         m["tide/ledger/step_tokens_consumed"] = float(step_tokens)
-        break_even = ref_needed = None
-        ready_times = self.readiness.last_ready_times
-        n_actor = max(1, self.actor_rollout_wg.world_size)
-        saving = None
-        if self.use_reference_policy and self.stage_timer.ready and ready_times:
-            per_mb = max(1, step_tokens // max(1, len(ready_times)))
-            times = self.stage_timer.stage_times(per_mb)
-            on_ref_ranks = self._times_on_ref_ranks(times, per_mb, n_actor)
-            # split mode is a candidate where verl's Ref runs beside tide's replicas (and ERS may add some)
-            can_split = self._verls_ref_wg() and self.ref_pool is not None
-            replicas = len(self.ref_pool.replicas) if self._ref_replicas_up() else 0
-            split_t_ref = on_ref_ranks(replicas).t_ref if can_split and replicas else None
-            choice = choose_mode(ready_times, times, actor_ranks=n_actor, max_aggregate=len(ready_times),
-                                 previous=self.ra2p_mode, hysteresis=self.tide_config.ra2p.hysteresis,
-                                 split_ref_t_ref=split_t_ref)
-            if self.tide_config.ra2p.mode == "auto":
-                self.ra2p_mode, self.ra2p_share = choice.mode, choice.ref_share
-            elif self.tide_config.ra2p.mode == "split" and split_t_ref is not None:
-                self.ra2p_share = best_split(ready_times, times, split_t_ref, len(ready_times))[0]
-            m.update({"tide/ra2p/predicted_decoupled_s": choice.decoupled_s,
-                      "tide/ra2p/predicted_colocated_s": choice.colocated_s})
-            if choice.split_s is not None:
-                m["tide/ra2p/predicted_split_s"] = choice.split_s
-            tprm = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau).tprm_smoothed
-            if tprm:
-                break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
-            fixed = self.tide_config.ra2p.ref_ranks
-            args = (ready_times, on_ref_ranks, times, len(ready_times))
-            needed = ref_ranks_for_decoupled(*args, max_ref_ranks=max(1, len(self.rollout_roles) + fixed),
-                                             split=can_split)
-            if needed is not None:  # elastic Ref ranks needed beside the fixed ones
-                ref_needed = max(0, needed - fixed)
-                have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
-                saving = ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=can_split)
+        break_even, ref_needed, saving = self._ra2p_decision(step_tokens, m)
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
         # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
@@ -951,6 +918,49 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
         return m, plan, signals
+
+    def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[int],
+                                                                           Optional[float]]:
+        """RA2P's mode (and split share) for the next step, from the last step's arrivals and measured stage times,
+        and what ERS needs from the cost model: (decoupled break-even RAS, elastic Ref ranks at which a mode using
+        them pays, the saving of the next Ref rank). Predictions go into `m`."""
+        ready_times = self.readiness.last_ready_times
+        if not (self.use_reference_policy and self.stage_timer.ready and ready_times):
+            return None, None, None
+        n_actor = max(1, self.actor_rollout_wg.world_size)
+        per_mb = max(1, step_tokens // max(1, len(ready_times)))
+        times = self.stage_timer.stage_times(per_mb)
+        on_ref_ranks = self._times_on_ref_ranks(times, per_mb, n_actor)
+        # split mode is a candidate where verl's Ref runs beside tide's replicas (and ERS may add some)
+        can_split = self._verls_ref_wg() and self.ref_pool is not None
+        replicas = len(self.ref_pool.replicas) if self._ref_replicas_up() else 0
+        if can_split and replicas:  # the replicas' measured speed, for decoupled mode too
+            dec_times, dec_ranks, split_t_ref = on_ref_ranks(replicas), 1, on_ref_ranks(replicas).t_ref
+        else:  # Appendix A's form: Ref ranks grouped with the Actor's, at the Ref speed measured
+            dec_times, dec_ranks, split_t_ref = times, n_actor, None
+        choice = choose_mode(ready_times, dec_times, actor_ranks=dec_ranks, max_aggregate=len(ready_times),
+                             previous=self.ra2p_mode, hysteresis=self.tide_config.ra2p.hysteresis,
+                             colocated_times=times, split_ref_t_ref=split_t_ref)
+        if self.tide_config.ra2p.mode == "auto":
+            self.ra2p_mode, self.ra2p_share = choice.mode, choice.ref_share
+        elif self.tide_config.ra2p.mode == "split" and split_t_ref is not None:
+            self.ra2p_share = best_split(ready_times, times, split_t_ref, len(ready_times))[0]
+        m.update({"tide/ra2p/predicted_decoupled_s": choice.decoupled_s,
+                  "tide/ra2p/predicted_colocated_s": choice.colocated_s})
+        if choice.split_s is not None:
+            m["tide/ra2p/predicted_split_s"] = choice.split_s
+        break_even = None
+        tprm = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau).tprm_smoothed
+        if tprm:
+            break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
+        fixed = self.tide_config.ra2p.ref_ranks
+        args = (ready_times, on_ref_ranks, times, len(ready_times))
+        needed = ref_ranks_for_decoupled(*args, max_ref_ranks=max(1, len(self.rollout_roles) + fixed), split=can_split)
+        if needed is None:
+            return break_even, None, None
+        have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
+        saving = ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=can_split)
+        return break_even, max(0, needed - fixed), saving  # elastic Ref ranks needed beside the fixed ones
 
     def _times_on_ref_ranks(self, times: Any, per_mb: int, n_actor: int) -> Any:
         """Stage times with k Ref ranks doing a micro-batch's Ref forward: one replica's measured rate over k; before
