@@ -92,6 +92,19 @@ def test_exporter_reports_an_ers_step():
     assert 'tide_readiness{signal="batch_size"} 32.0' in body
 
 
+def test_exporter_reports_the_next_steps_ra2p_mode_and_predictions():
+    from prometheus_client import generate_latest
+
+    metrics = TideMetrics()
+    metrics.update_from_ra2p("split", 0.4, {"tide/ra2p/predicted_split_s": 2.5, "tide/ra2p/predicted_colocated_s": 3.0,
+                                            "tide/ledger/step_tokens_consumed": 7.0})
+    metrics.update_from_ra2p("colocated", 0.0, {})
+    body = generate_latest(metrics.registry).decode()
+    assert 'tide_ra2p_mode_info{mode="colocated"} 1.0' in body and 'mode="split"' not in body  # the latest only
+    assert 'tide_ra2p{quantity="predicted_split_s"} 2.5' in body and 'tide_ra2p{quantity="ref_share"} 0.0' in body
+    assert "step_tokens_consumed" not in body
+
+
 def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
     import json
     import re
@@ -102,7 +115,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
 
     dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "verl-tide.grafana.json").read_text())
     queried = {name for panel in dashboard["panels"] for t in panel["targets"]
-               for name in re.findall(r"\b(tide_[a-z_]+)", t["expr"])}
+               for name in re.findall(r"\b(tide_[a-z0-9_]+)", t["expr"])}
     metrics = TideMetrics()
     ledger = GoodputLedger(clock=lambda: 0.0)
     ledger.groups_submitted(1)
@@ -110,6 +123,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
     metrics.update_from_ctb_status({"0": {"usage": 10, "budget": 100}}, {"active": 1}, {"pauses": 1})
     metrics.update_hit_rates({"0": 0.5})
     metrics.update_from_eval({"tide/eval/overlapped_s": 2.5, "tide/eval/trainer_wait_s": 0.5, "val-core/x": 1.0})
+    metrics.update_from_ra2p("split", 0.5, {"tide/ra2p/predicted_split_s": 1.0})
     served = set(re.findall(r"^# TYPE (\S+)", generate_latest(metrics.registry).decode(), re.M))
     served |= {f"{name}_total" for name in served}  # counters are queried with their _total suffix
     assert queried and queried <= served, queried - served

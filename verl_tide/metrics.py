@@ -106,6 +106,9 @@ class TideMetrics:
         self.readiness = Gauge("tide_readiness", "Readiness signals after the last step", ["signal"], registry=r)
         self.evaluation = Gauge("tide_eval", "The last overlapped evaluation: model_step, overlapped_s, "
                                 "trainer_wait_s", ["quantity"], registry=r)
+        self.ra2p = Gauge("tide_ra2p", "RA2P for the next step: the replicas' share of a Ref pass (split mode) and "
+                          "the cost model's predicted step times per mode", ["quantity"], registry=r)
+        self.ra2p_mode = Gauge("tide_ra2p_mode_info", "The mode the next step runs in (value 1)", ["mode"], registry=r)
         self.ledger = Gauge("tide_goodput_ledger", "Goodput ledger: groups, samples and tokens by outcome; "
                             "goodput_tok_s", ["quantity"], registry=r)
 
@@ -160,6 +163,15 @@ class TideMetrics:
                             ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
+
+    def update_from_ra2p(self, mode: str, ref_share: float, step_metrics: Mapping[str, float]) -> None:
+        """The next step's RA2P mode, split mode's share, and the predictions (`tide/ra2p/predicted_*_s`)."""
+        self.ra2p_mode.clear()
+        self.ra2p_mode.labels(mode=mode).set(1)
+        self.ra2p.labels(quantity="ref_share").set(ref_share)
+        for key, value in step_metrics.items():
+            if key.startswith("tide/ra2p/predicted_"):
+                self.ra2p.labels(quantity=key[len("tide/ra2p/"):]).set(float(value))
 
     def update_from_ledger(self, ledger: GoodputLedger) -> None:
         """Where every group and token went so far, and goodput."""

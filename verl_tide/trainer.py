@@ -818,6 +818,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness.step_finished()
         step_metrics, plan, signals = self._scaling_plan()
         step_metrics.update(self._apply_plan(plan, signals))
+        mode = self._step_ra2p_mode() if self.use_reference_policy else None
+        share = self._split_share() if mode is RA2PMode.SPLIT else 0.0
+        step_metrics["tide/ra2p/next_ref_share"] = share
+        if self.tide_metrics is not None and mode is not None:
+            self.tide_metrics.update_from_ra2p(mode.value, share, step_metrics)
         self._elastic_batch = plan.batch_size
         relaunched = self.restarts.before_sync() if self.restarts is not None else []
         sync_start = self.clock()
