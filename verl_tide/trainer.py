@@ -131,7 +131,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ref_service: Any = None  # decoupled mode: where the Actor's backward picks ref log-probs up
         self._ref_service_name = ""
         self._ref_in_flight: Optional[tuple] = None
-        self._ref_split_pending: list[tuple] = []  # split mode: the replicas' shares, collected after the update
+        self._ref_split_pending: list[list] = []  # split mode: the replicas' shares, collected after the update
         self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
         self._released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
         self._handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
@@ -261,8 +261,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         mode = self.tide_config.ra2p.mode
         if self.ref_service is None or not self._ref_replicas_up() or mode == "colocated":
             return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
-        if mode in ("decoupled", "split"):
-            return RA2PMode(mode) if mode == "decoupled" or self._can_split() else RA2PMode.COLOCATED
+        if mode == "decoupled":
+            return RA2PMode.DECOUPLED
+        if mode == "split":
+            return RA2PMode.SPLIT if self._can_split() else RA2PMode.COLOCATED
         chosen = self.ra2p_mode or RA2PMode.DECOUPLED
         return RA2PMode.COLOCATED if chosen is RA2PMode.SPLIT and not self._can_split() else chosen
 
@@ -321,9 +323,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _compute_old_log_prob(self, batch, metrics: dict):
         """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
         A batch with samples scored ahead by a colocated step's burst finishes colocated (never mixed)."""
+        mode = self._step_ra2p_mode()
         metrics["tide/ra2p/step_mode_decoupled"] = 0.0
-        metrics["tide/ra2p/step_mode_split"] = float(self._step_ra2p_mode() is RA2PMode.SPLIT)
-        if self.ref_service is not None and self._step_ra2p_mode() is RA2PMode.DECOUPLED \
+        metrics["tide/ra2p/step_mode_split"] = float(mode is RA2PMode.SPLIT)
+        if self.ref_service is not None and mode is RA2PMode.DECOUPLED \
                 and not self.ref_aggregator.any_scored(batch.keys):
             metrics["tide/ra2p/step_mode_decoupled"] = 1.0
             self._start_deferred_ref(batch)
@@ -420,7 +423,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             ids = self._put_sample_ids(list(on_replicas), batch.partition_id)
             pending = self.ref_pool.start(list(on_replicas), batch.partition_id, temperature, sample_ids=ids,
                                           service_name=self._ref_service_name, zero_copy=self.tide_config.ra2p.zero_copy)
-            self._ref_split_pending.append((pending, time.perf_counter()))
+            self._ref_split_pending.append(pending)
             if not keys:
                 return
         ids = self._put_sample_ids(keys, batch.partition_id) if self._handoff else None
@@ -478,7 +481,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self._ref_in_flight = None
             self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
             metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
-        for pending, _started in self._ref_split_pending:  # split mode: the replicas' shares of this update's passes
+        for pending in self._ref_split_pending:  # split mode: the replicas' shares of this update's passes
             self._observe_ref_workers(self.ref_pool.finish(pending), metrics)
         self._ref_split_pending = []
         # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.

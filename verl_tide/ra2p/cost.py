@@ -124,7 +124,8 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
 
     # A coarse pass, then every step around its best (ERS weighs this for several Ref-rank counts per plan,
     # within its 1 ms budget): the cost falls with the share while the Actor's ranks are the bottleneck and
-    # rises once the Ref ranks are, so the refined optimum is the grid's.
+    # rises once the Ref ranks are, so the refined optimum is nearly always the grid's (bursts can bend the
+    # curve: on random cases exact 490+ times in 500, never 5% off; tests/test_ra2p_cost.py).
     coarse = SHARE_STEPS // 8
     best = min(range(0, SHARE_STEPS, coarse), key=lambda i: (cost(i), i))
     best = min(range(max(0, best - coarse + 1), min(SHARE_STEPS, best + coarse)), key=lambda i: (cost(i), i))
