@@ -12,6 +12,7 @@ from verl_tide.ra2p.cost import (
     colocated_cost,
     decoupled_break_even_ras,
     decoupled_cost,
+    ref_rank_outlook,
     ref_rank_saving,
     ref_ranks_for_decoupled,
     split_cost,
@@ -230,6 +231,9 @@ def test_ref_rank_saving_counts_split_mode():
     assert 0 < one < 0.25
     assert ref_rank_saving(ready, with_ranks, col, 8, have=0, target=1, split=False) == 0.0
     assert ref_rank_saving(ready, with_ranks, col, 8, have=2, target=2, split=True) == 0.0
+    # what ERS weighs, in one call: pays from 1 Ref rank, and the first one saves `one`
+    assert ref_rank_outlook(ready, with_ranks, col, 8, have=0, max_ref_ranks=4, split=True) == (1, one)
+    assert ref_rank_outlook(ready, with_ranks, col, 8, have=0, max_ref_ranks=1, split=False) == (None, None)
 
 
 def test_best_split_finds_the_grids_optimum_or_comes_close():

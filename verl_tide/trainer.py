@@ -61,7 +61,7 @@ from verl_tide.ledger import GoodputLedger, Outcome
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
 from verl_tide.ra2p.cost import (RA2PMode, StageTimer, best_split, choose_mode, decoupled_break_even_ras,
-                                 ref_rank_saving, ref_ranks_for_decoupled)
+                                 ref_rank_outlook)
 from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.readiness import ReadinessTracker
 
@@ -943,7 +943,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         can_split = self._verls_ref_wg() and self.ref_pool is not None
         replicas = len(self.ref_pool.replicas) if self._ref_replicas_up() else 0
         if can_split and replicas:  # the replicas' measured speed, for decoupled mode too
-            dec_times, dec_ranks, split_t_ref = on_ref_ranks(replicas), 1, on_ref_ranks(replicas).t_ref
+            dec_times, dec_ranks = on_ref_ranks(replicas), 1
+            split_t_ref = dec_times.t_ref
         else:  # Appendix A's form: Ref ranks grouped with the Actor's, at the Ref speed measured
             dec_times, dec_ranks, split_t_ref = times, n_actor, None
         choice = choose_mode(ready_times, dec_times, actor_ranks=dec_ranks, max_aggregate=len(ready_times),
@@ -962,12 +963,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if tprm:
             break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
         fixed = self.tide_config.ra2p.ref_ranks
-        args = (ready_times, on_ref_ranks, times, len(ready_times))
-        needed = ref_ranks_for_decoupled(*args, max_ref_ranks=max(1, len(self.rollout_roles) + fixed), split=can_split)
+        have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
+        needed, saving = ref_rank_outlook(ready_times, on_ref_ranks, times, len(ready_times), have,
+                                          max(1, len(self.rollout_roles) + fixed), split=can_split)
         if needed is None:
             return break_even, None, None
-        have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
-        saving = ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=can_split)
         return break_even, max(0, needed - fixed), saving  # elastic Ref ranks needed beside the fixed ones
 
     def _times_on_ref_ranks(self, times: Any, per_mb: int, n_actor: int) -> Any:

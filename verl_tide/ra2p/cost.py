@@ -274,6 +274,19 @@ def cost_with_ref_ranks(ready_times: Sequence[float], times_with_ref_ranks: Call
     return best
 
 
+def ref_rank_outlook(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
+                     colocated_times: StageTimes, max_aggregate: int, have: int, max_ref_ranks: int,
+                     split: bool) -> tuple[Optional[int], Optional[float]]:
+    """What ERS weighs before lending a rollout rank to Ref: (the fewest Ref ranks with which a mode using them
+    pays, the saving of the next move toward that count from `have`); (None, None) if no count up to
+    `max_ref_ranks` pays."""
+    args = (ready_times, times_with_ref_ranks, colocated_times, max_aggregate)
+    needed = ref_ranks_for_decoupled(*args, max_ref_ranks, split=split)
+    if needed is None:
+        return None, None
+    return needed, ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=split)
+
+
 def ref_rank_saving(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
                     colocated_times: StageTimes, max_aggregate: int, have: int, target: int, split: bool) -> float:
     """Relative step-time saving the cost model predicts from `have` Ref ranks to `target` (>= 0; what ERS

@@ -34,8 +34,8 @@ from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimes, choose_mode, colocated_cost,
-                                 decoupled_break_even_ras, decoupled_cost, global_batch_cost, ref_rank_saving,
-                                 ref_ranks_for_decoupled, split_cost, streaming_swap_cost)
+                                 decoupled_break_even_ras, decoupled_cost, global_batch_cost, ref_rank_outlook,
+                                 split_cost, streaming_swap_cost)
 from verl_tide.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
@@ -492,12 +492,10 @@ class Simulation:
         t0 = time.perf_counter()
         needed = saving = None
         if self.tracker.last_ready_times and self._last_tokens_per_mb:
-            tok, ready = self._last_tokens_per_mb, self.tracker.last_ready_times
-            args = (ready, lambda k: self._stage_times(tok, k), self._stage_times(tok), self.spec.max_aggregate)
-            needed = ref_ranks_for_decoupled(*args, len(roles), split=True)
-            if needed is not None:
-                saving = ref_rank_saving(*args, have=len(self.ref_ranks),
-                                         target=max(len(self.ref_ranks) + 1, needed), split=True)
+            tok = self._last_tokens_per_mb
+            needed, saving = ref_rank_outlook(self.tracker.last_ready_times, lambda k: self._stage_times(tok, k),
+                                              self._stage_times(tok), self.spec.max_aggregate, len(self.ref_ranks),
+                                              len(roles), split=True)
         plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed,
                              ref_rank_saving=saving)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
