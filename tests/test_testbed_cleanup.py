@@ -21,3 +21,34 @@ def test_what_a_run_left_in_the_temp_dir_goes_and_nothing_else(tmp_path, monkeyp
     (tmp_path / "ckpt_not_a_lock").write_text("")
     clean_run_files(before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_not_a_lock", "unrelated.lock", "vllm_dist_old"]
+
+
+def test_a_runs_ipc_sockets_and_semaphores_go_with_it_and_nothing_else(tmp_path, monkeypatch):
+    import glob
+    import os
+    import socket
+
+    from verl_tide.testing.testbed import run_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    older_sem = "/dev/shm/sem.mp-tide-test-old"
+    open(older_sem, "w").close()  # another run's, before this one: kept
+    try:
+        with run_scratch() as env:
+            ipc_dir = env["VLLM_RPC_BASE_PATH"]
+            assert os.path.dirname(ipc_dir) == str(tmp_path) and os.path.isdir(ipc_dir)
+            sock = socket.socket(socket.AF_UNIX)  # what a killed vLLM engine leaves: a bound, never unlinked socket
+            monkeypatch.chdir(ipc_dir)  # pytest's tmp_path is too long for a socket path
+            sock.bind("0544cfd1-4073-4252-9b58-3f149fea0d31")
+            sock.close()
+            open("/dev/shm/sem.mp-tide-test-new", "w").close()
+            (tmp_path / "vllm_dist_new").write_text("")
+            (tmp_path / "mine.txt").write_text("")
+            monkeypatch.chdir(tmp_path)
+        assert not os.path.exists(ipc_dir)
+        assert not os.path.exists("/dev/shm/sem.mp-tide-test-new")
+        assert os.path.exists(older_sem)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.txt"]
+    finally:
+        for p in glob.glob("/dev/shm/sem.mp-tide-test-*"):
+            os.remove(p)

@@ -40,23 +40,23 @@ def ray_cpu_cluster() -> Iterator[None]:
     import ray
 
     from verl_tide.testing.platform import TEST_BED_ENV, register_cpu_platform
-    from verl_tide.testing.testbed import clean_run_files, run_files
+    from verl_tide.testing.testbed import run_scratch
 
-    saved = {k: os.environ.get(k) for k in TEST_BED_ENV}
-    os.environ.update(TEST_BED_ENV)
-    register_cpu_platform()  # this process imported verl before VERL_PLATFORM was set
-    before = run_files()
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": dict(TEST_BED_ENV)})
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        clean_run_files(before)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with run_scratch() as scratch_env:
+        env = {**TEST_BED_ENV, **scratch_env}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        register_cpu_platform()  # this process imported verl before VERL_PLATFORM was set
+        ray.init(num_cpus=8, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

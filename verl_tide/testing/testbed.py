@@ -17,7 +17,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
@@ -163,14 +164,19 @@ class RunResult:
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
                  extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> RunResult:
     """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm and
-    the temp dir.
+    the temp dir (`run_scratch`).
 
     `on_line` sees every output line as it comes (progress display)."""
-    env = {**os.environ, **TEST_BED_ENV, **(extra_env or {})}
+    with run_scratch() as scratch_env:
+        return _run_main_ppo({**os.environ, **TEST_BED_ENV, **scratch_env, **(extra_env or {})}, overrides, cwd,
+                             timeout_s, log_path, on_line)
+
+
+def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, timeout_s: float,
+                  log_path: str | Path | None, on_line: Callable[[str], None] | None) -> RunResult:
     env.setdefault("RAY_DEDUP_LOGS", "0")
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
     start = time.monotonic()
-    before = run_files()
     log = open(log_path, "w") if log_path else None
     lines: list[str] = []
     proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -200,7 +206,6 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
         timer.cancel()
         if proc.poll() is None:
             kill_job()
-        clean_run_files(before)
     if log:
         log.write(out)
         log.close()
@@ -237,6 +242,22 @@ def stop_stray_ray() -> None:
 _TMP_LEFTOVERS = ("vllm_dist_*", "ckpt_*.lock")
 
 
+@contextmanager
+def run_scratch() -> Iterator[dict[str, str]]:
+    """Environment variables for one test-bed run (a job, a Ray cluster) whose leftovers go when it ends.
+
+    vLLM names its ZMQ IPC sockets `<VLLM_RPC_BASE_PATH>/<uuid4>` (default: the temp dir) and an engine process
+    that is killed, as every Ray worker is at shutdown, never unlinks them: about 150 piled up in /tmp per suite
+    run. They go in a directory of this run's, removed afterwards with what `clean_run_files` removes."""
+    before = run_files()
+    ipc_dir = tempfile.mkdtemp(prefix="tide-ipc-")  # short: a Unix socket path has at most 107 bytes
+    try:
+        yield {"VLLM_RPC_BASE_PATH": ipc_dir}
+    finally:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        clean_run_files(before)
+
+
 def run_files() -> set[str]:
     """/dev/shm and the temp-dir entries a run may leave, as they are now (for `clean_run_files` after it)."""
     tmp = tempfile.gettempdir()
@@ -260,10 +281,12 @@ def clean_run_files(keep: set[str]) -> None:
 
 
 def clean_shm(keep: set[str]) -> None:
-    """Remove vLLM `psm_*` segments and verl weight-bucket files that a run left in /dev/shm."""
+    """Remove vLLM `psm_*` segments, verl weight-bucket files and the named semaphores of killed `multiprocessing`
+    processes (`sem.mp-*`: their resource tracker dies with them and never unlinks the names) that a run left in
+    /dev/shm. Unlinking a name leaves processes that hold the semaphore unaffected."""
     for path in glob.glob("/dev/shm/*"):
         name = os.path.basename(path)
-        if path not in keep and (name.startswith("psm_") or name.startswith("verl_") or "weights" in name):
+        if path not in keep and (name.startswith(("psm_", "verl_", "sem.mp-")) or "weights" in name):
             try:
                 os.remove(path)
             except OSError:
