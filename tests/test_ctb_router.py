@@ -150,3 +150,26 @@ async def test_budgets_from_the_engines_own_metrics(backend, sample, capacity):
     finally:
         await runner.cleanup()
     assert lb.get_status()["ctb"]["ranks"][address]["budget"] == capacity // 2
+
+
+async def test_busy_seconds_count_the_time_a_rank_has_any_request_in_flight():
+    lb = _lb()
+    now = [100.0]
+    lb.clock = lambda: now[0]
+    sid_a, _ = await lb.acquire_server("a", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100})
+    now[0] = 101.0
+    sid_b, _ = await lb.acquire_server("b", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100})
+    assert sid_b != sid_a  # a holds 700 of its rank's 1000 tokens
+    now[0] = 102.0
+    lb._take(sid_a)  # a second request on a's rank (a bypassed one): the rank's busy time does not count twice
+    now[0] = 103.0
+    lb.release_server(sid_a, request_id="a")  # one still in flight: a's rank stays busy
+    now[0] = 104.0
+    assert lb.busy_seconds() == {sid_a: pytest.approx(4.0), sid_b: pytest.approx(3.0)}  # open intervals
+    lb.release_server(sid_a)
+    now[0] = 106.0
+    lb.release_server(sid_b, request_id="b")
+    now[0] = 110.0  # both idle from here: not counted
+    assert lb.get_status()["busy_s"] == {sid_a: pytest.approx(4.0), sid_b: pytest.approx(5.0)}
+    lb.remove_servers([sid_b])
+    assert lb.busy_seconds() == {sid_a: pytest.approx(4.0)}

@@ -158,6 +158,22 @@ def test_no_rank_leaves_rollout_if_the_rest_could_not_feed_the_trainer():
     assert [(m.rank, m.dst) for m in ok.moves] == [(3, Role.REF)]
 
 
+def test_a_rollout_busy_only_part_of_its_working_time_can_spare_the_rank_its_rate_alone_could_not():
+    def cons(busy):  # 4 ranks made 2.0 seq/s; the trainer consumes 1.6 seq/s
+        return dataclasses.replace(signals(cons=True), rollout_capacity_rate=2.0, rollout_utilization=busy)
+
+    p = policy(cooldown_steps=0)
+    p.plan(1, cons(1.0), roles(4, 0))
+    saturated = p.plan(2, cons(1.0), roles(4, 0))  # busy all the time: 3 ranks make 1.5 seq/s
+    assert saturated.moves == () and "would make 1.50 seq/s" in saturated.reason and "busy 100%" in saturated.reason
+    p.plan(3, cons(0.7), roles(4, 0))
+    idle = p.plan(4, cons(0.7), roles(4, 0))  # busy 70%: the same work fits on 3 ranks (75%), the same 2.0 seq/s
+    assert [(m.rank, m.dst) for m in idle.moves] == [(3, Role.REF)]
+    p.plan(5, cons(0.9), roles(3, 1))
+    busier = p.plan(6, cons(0.9), roles(3, 1))  # 3 ranks busy 90% = 2.7 ranks' work: 2 make 2.0 x 2 / 2.7
+    assert busier.moves == () and "would make 1.48 seq/s, below the 1.60 seq/s" in busier.reason
+
+
 def test_no_rank_moves_to_ref_when_the_cost_model_predicts_too_small_a_saving():
     p = policy(cooldown_steps=0, min_ref_gain=0.05)
     p.plan(1, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.04)

@@ -76,7 +76,8 @@ def test_exporter_reports_an_ers_step():
 
     signals = ReadinessSignals(ready_at_start=3, time_per_ready_microbatch=1.5, tprm_smoothed=1.25, hol_latency=9.0,
                                ready_volume=40, mean_step_time=5.0, generation_deficit=False,
-                               consumption_deficit=True, rollout_wait_s=2.5, trainer_wait_s=0.0)
+                               consumption_deficit=True, rollout_wait_s=2.5, trainer_wait_s=0.0,
+                               rollout_utilization=0.625)
     policy = ERSPolicy(config=dataclasses.replace(ERSConfig(), max_moves_per_step=1), ideal_batch=32,
                        confirm_steps=1)
     roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
@@ -90,6 +91,7 @@ def test_exporter_reports_an_ers_step():
     assert 'tide_readiness{signal="rollout_wait_s"} 2.5' in body
     assert 'tide_readiness{signal="hol_latency_s"} 9.0' in body
     assert 'tide_readiness{signal="batch_size"} 32.0' in body
+    assert 'tide_readiness{signal="rollout_utilization"} 0.625' in body
 
 
 def test_exporter_reports_the_next_steps_ra2p_mode_and_predictions():

@@ -128,6 +128,27 @@ def test_smoothing_and_waits_reset_per_step():
     assert s.rollout_wait_s == 1.0  # only the last step's RWT
 
 
+def test_rollout_utilization_is_busy_time_over_the_ranks_working_time():
+    clock, tr = _tracker()
+    tr.micro_batch_ready("a", 8, t=0.0)  # the cycle starts at the first arrival
+    tr.step_started(t=0.0)
+    tr.micro_batch_consumed("a", t=0.0)
+    tr.micro_batch_ready("b", 8, t=5.0)
+    with pytest.raises(ValueError, match="ranks = 0"):
+        tr.rollout_busy(1.0, ranks=0)
+    tr.rollout_waited(2.0)  # of the 10 s cycle, 8 s working
+    tr.rollout_busy(12.0, ranks=2)  # 12 of 2 x 8 rank-seconds
+    tr.step_finished(t=10.0)
+    s = tr.signals(ideal_batch=16, tau=1, t=10.0)
+    assert s.rollout_capacity_rate == pytest.approx(16 / 8.0)
+    assert s.rollout_utilization == pytest.approx(0.75)
+    assert s.rollout_rate_with(2, of=2) == pytest.approx(2.0)
+    assert s.rollout_rate_with(1, of=2) == pytest.approx(2.0 * 1 / 1.5)  # 1.5 ranks' work on one
+    tr.step_started(t=10.0)
+    tr.step_finished(t=20.0)  # nothing reported for this cycle: unknown, not the last value
+    assert tr.signals(ideal_batch=16, tau=1, t=20.0).rollout_utilization is None
+
+
 def test_misuse_is_reported():
     clock, tr = _tracker()
     tr.micro_batch_ready("a", 1, t=0)

@@ -145,7 +145,8 @@ class TideMetrics:
                 self.evaluation.labels(quantity=key[len("tide/eval/"):]).set(float(value))
 
     def update_from_ers(self, plan: ScalingPlan, signals: ReadinessSignals, roles: Mapping[int, Role]) -> None:
-        """One step of ERS: ranks per role after the plan, the plan and its reason, RWT, TWT, RAS, TPRM, HoL."""
+        """One step of ERS: ranks per role after the plan, the plan and its reason, RWT, TWT, RAS, TPRM, HoL, and
+        the rollout ranks' utilization (when CTB's router reported it)."""
         counts: dict[str, int] = {}
         for role in roles.values():
             counts[role.value] = counts.get(role.value, 0) + 1
@@ -160,7 +161,8 @@ class TideMetrics:
         for name, value in (("rollout_wait_s", signals.rollout_wait_s), ("trainer_wait_s", signals.trainer_wait_s),
                             ("ready_at_start", signals.ready_at_start), ("hol_latency_s", signals.hol_latency),
                             ("time_per_ready_microbatch_s", signals.tprm_smoothed),
-                            ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size)):
+                            ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size),
+                            ("rollout_utilization", signals.rollout_utilization)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
 

@@ -64,6 +64,18 @@ class ReadinessSignals:
     # Sequences the rollout made ready per second of its working time (the last step cycle, minus RWT):
     # what ERS checks before taking a rank from rollout. None before the first full cycle.
     rollout_capacity_rate: Optional[float] = None
+    # The share of that working time the rollout ranks had a request in flight (busy rank-seconds over ranks x
+    # working seconds, at most 1): below 1 fewer ranks could have done the same work. None when not reported.
+    rollout_utilization: Optional[float] = None
+
+    def rollout_rate_with(self, ranks: int, of: int) -> Optional[float]:
+        """Sequences per second `ranks` of the `of` rollout ranks could make, from the last cycle: the same rate
+        while the work the ranks did fits on fewer (utilization below `ranks / of`), proportionally less beyond.
+        Work-conserving, so cautious where merged decode batches would run more efficiently. None when unknown."""
+        if self.rollout_capacity_rate is None or of < 1:
+            return None
+        busy = self.rollout_utilization if self.rollout_utilization is not None else 1.0
+        return self.rollout_capacity_rate * min(1.0, ranks / (of * max(busy, 1e-9)))
 
 
 @dataclass
@@ -98,6 +110,8 @@ class ReadinessTracker:
     _cycle_start: Optional[float] = None  # end of the previous step (or the first arrival)
     _cycle_sequences: int = 0  # sequences made ready since then
     _last_capacity_rate: Optional[float] = None
+    _cycle_busy: Optional[tuple[float, int]] = None  # (busy rank-seconds, ranks) reported for this cycle
+    _last_utilization: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -144,6 +158,14 @@ class ReadinessTracker:
         """The trainer idled for want of a ready micro-batch."""
         self._twt += max(0.0, seconds)
 
+    def rollout_busy(self, busy_rank_seconds: float, ranks: int) -> None:
+        """Rank-seconds the `ranks` rollout ranks had a request in flight during this step cycle (reported once,
+        before `step_finished`): how much of the rollout's capacity its rate used."""
+        if ranks < 1 or busy_rank_seconds < 0:
+            raise ValueError(f"rollout_busy: busy_rank_seconds = {busy_rank_seconds}, ranks = {ranks}: "
+                             "must be >= 0 and >= 1")
+        self._cycle_busy = (busy_rank_seconds, ranks)
+
     def step_finished(self, t: Optional[float] = None) -> None:
         if self._step_start is None:
             raise RuntimeError("step_finished before step_started")
@@ -153,7 +175,9 @@ class ReadinessTracker:
             working = (now - self._cycle_start) - self._rwt
             if working > 0:
                 self._last_capacity_rate = self._cycle_sequences / working
-        self._cycle_start, self._cycle_sequences = now, 0
+                busy = self._cycle_busy  # not reported for this cycle: unknown, never the last cycle's
+                self._last_utilization = None if busy is None else min(1.0, busy[0] / (busy[1] * working))
+        self._cycle_start, self._cycle_sequences, self._cycle_busy = now, 0, None
         self.last_ready_times = sorted(self._step_ready_times)
         self._last_ras = ready_at_start(self._step_ready_times)
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
@@ -196,6 +220,7 @@ class ReadinessTracker:
             rollout_wait_s=self._last_rwt,
             trainer_wait_s=self._last_twt,
             rollout_capacity_rate=self._last_capacity_rate,
+            rollout_utilization=self._last_utilization,
         )
 
 

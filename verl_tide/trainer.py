@@ -123,6 +123,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
+        self._rollout_busy_mark: dict[str, float] = {}  # CTB router's busy seconds per rank at the last boundary
         self._sample_started = 0.0
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
@@ -818,6 +819,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._check_rollout_ranks()  # a dead rank must not stall the weight sync
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
+        self._report_rollout_busy()
         self.readiness.step_finished()
         step_metrics, plan, signals = self._scaling_plan()
         step_metrics.update(self._apply_plan(plan, signals))
@@ -915,11 +917,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/readiness/ready_volume": float(signals.ready_volume),
             "tide/readiness/rwt_s": float(signals.rollout_wait_s),
             "tide/readiness/twt_s": float(signals.trainer_wait_s),
+
             "tide/rollout/ranks_quarantined": float(len(self.quarantined)),
             "tide/ers/planned_moves": float(len(plan.moves)),
             "tide/ers/elastic_batch": float(plan.batch_size),
             "tide/ra2p/uses_ref": float(self.use_reference_policy),
         })
+        if signals.rollout_utilization is not None:  # unknown without CTB's router
+            m["tide/readiness/rollout_utilization"] = float(signals.rollout_utilization)
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref_aggregator.counters.as_dict().items()})
         m.update(self._handoff_counters)
@@ -1018,6 +1023,23 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.tide_metrics.update_from_ers(plan, signals, self.rollout_roles)
             self.tide_metrics.update_from_ledger(self.ledger)
         return m
+
+    def _report_rollout_busy(self) -> None:
+        """The rollout ranks' busy time this cycle (CTB's router: seconds with a request in flight) for the readiness
+        signals: ERS's check that the remaining ranks can still feed the trainer counts work, not ranks. Without CTB,
+        or when the router cannot be read, nothing is reported and ERS assumes saturated ranks."""
+        if not self.tide_config.ctb.enabled:
+            return
+        import ray
+
+        try:
+            now = ray.get(self.standalone_server_manager.global_load_balancer.busy_seconds.remote(), timeout=30)
+        except Exception as e:  # observability must not stop training
+            logger.warning("verl-tide: could not read the rollout ranks' busy time: %s", e)
+            return
+        mark, self._rollout_busy_mark = self._rollout_busy_mark, dict(now)
+        if now:  # a relaunched rank has a new address: it starts from 0
+            self.readiness.rollout_busy(sum(max(0.0, t - mark.get(sid, 0.0)) for sid, t in now.items()), len(now))
 
     def _ctb_metrics(self) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""

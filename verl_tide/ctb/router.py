@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -58,6 +59,9 @@ class CTBLoadBalancer:
         self.status_path = config.get("status_path")  # if set, get_status() is written here as JSON
         self.servers: dict[str, Any] = {}
         self.inflight: dict[str, int] = {}
+        self.clock = time.monotonic
+        self._busy_s: dict[str, float] = {}  # per server: seconds with a request in flight (closed intervals)
+        self._busy_since: dict[str, float] = {}  # per server with a request in flight: since when
         self.bypassed: dict[str, str] = {}  # request id -> server, for requests CTB could not place
         self.counters = {"bypassed": 0, "idle_finished": 0}
         self._turns: dict[str, int] = {}
@@ -129,6 +133,8 @@ class CTBLoadBalancer:
     def release_server(self, server_id: str, request_id: Optional[str] = None) -> None:
         if server_id in self.inflight and self.inflight[server_id] > 0:
             self.inflight[server_id] -= 1
+            if self.inflight[server_id] == 0 and server_id in self._busy_since:
+                self._busy_s[server_id] += self.clock() - self._busy_since.pop(server_id)
         task = self.gate.scheduler.tasks.get(self._tid(request_id)) if request_id is not None else None
         if task is None or task.state is TaskState.DONE:
             return
@@ -161,6 +167,7 @@ class CTBLoadBalancer:
                 raise ValueError(f"CTB router: no KV capacity for server {sid}: its /metrics gave none; set "
                                  "kv_capacity_tokens in the router YAML")
             self.servers[sid], self.inflight[sid] = handle, 0
+            self._busy_s.setdefault(sid, 0.0)
             self.gate.add_rank(sid, int(capacity))
 
     def remove_servers(self, server_ids: list[str]) -> None:
@@ -170,6 +177,8 @@ class CTBLoadBalancer:
                 self.counters["tasks_moved_off_removed_ranks"] += len(moved)
                 self.servers.pop(sid)
                 self.inflight.pop(sid)
+                self._busy_s.pop(sid, None)
+                self._busy_since.pop(sid, None)
         self.bypassed = {r: s for r, s in self.bypassed.items() if s in self.servers}
 
     def quarantine(self, server_ids: list[str], reason: str = "") -> list[str]:
@@ -201,6 +210,13 @@ class CTBLoadBalancer:
     def get_total_inflight(self) -> int:
         return sum(self.inflight.values())
 
+    def busy_seconds(self) -> dict[str, float]:
+        """Per active server, seconds it has had at least one request in flight since it joined: how much of the
+        rollout's capacity its rate used (ERS's `rollout_utilization`; differences between two reads)."""
+        now = self.clock()
+        return {sid: self._busy_s.get(sid, 0.0) + (now - self._busy_since[sid] if sid in self._busy_since else 0.0)
+                for sid in self.servers}
+
     def clear_sticky_cache(self) -> dict:
         # After a weight sync every prefix cache is invalid anyway; CTB's budgets still describe
         # the contexts the tasks will re-prefill, so its state is kept.
@@ -213,7 +229,7 @@ class CTBLoadBalancer:
             states[task.state.value] = states.get(task.state.value, 0) + 1
         return {
             "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
-            "active_servers": len(self.servers),
+            "active_servers": len(self.servers), "busy_s": self.busy_seconds(),
             "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
                     "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
                     **s.counters, **self.counters},
@@ -269,6 +285,8 @@ class CTBLoadBalancer:
             self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_refresh())
 
     def _take(self, server_id: str) -> tuple[str, Any]:
+        if self.inflight[server_id] == 0:
+            self._busy_since[server_id] = self.clock()
         self.inflight[server_id] += 1
         return server_id, self.servers[server_id]
 

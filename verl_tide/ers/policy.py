@@ -147,21 +147,24 @@ class ERSPolicy:
 
         A backlog (HoL, RAS) says the trainer was behind, not that rollout can spare a rank: found in the
         simulator, where ERS drained the backlog by moving ranks to Ref and then starved the trainer. The
-        remaining ranks must still produce a batch per step at the rate measured while rollout worked, and
+        remaining ranks must still produce a batch per step at the rate measured while rollout worked (the
+        same rate while the ranks' busy time fits on fewer: `ReadinessSignals.rollout_rate_with`), and
         a Ref rank helps only once there are enough of them for a mode using them to beat colocated (until
         then it idles), so the move must lead there."""
-        rate, step_s = signals.rollout_capacity_rate, signals.mean_step_time
+        step_s = signals.mean_step_time
         n = sum(1 for r in roles.values() if r is Role.ROLLOUT)
         n_ref = len(roles) - n
-        if rate is None or not step_s or n <= 1:
+        if signals.rollout_capacity_rate is None or not step_s or n <= 1:
             return ""
         need = self.ideal_batch / step_s
         spare = 0  # ranks rollout can give up and still make `need`
-        while spare + 1 < n and rate * (n - spare - 1) / n >= need:
+        while spare + 1 < n and signals.rollout_rate_with(n - spare - 1, n) >= need:
             spare += 1
         if spare == 0:
-            return (f"{n - 1} rollout rank(s) would make {rate * (n - 1) / n:.2f} seq/s, below the {need:.2f} "
-                    f"seq/s the trainer consumes")
+            busy = signals.rollout_utilization
+            return (f"{n - 1} rollout rank(s) would make {signals.rollout_rate_with(n - 1, n):.2f} seq/s, below the "
+                    f"{need:.2f} seq/s the trainer consumes" + (f" (rollout busy {busy:.0%})" if busy is not None
+                                                                else ""))
         if ref_ranks_needed is not None and n_ref + spare < ref_ranks_needed:
             return (f"Ref ranks pay from {ref_ranks_needed}, rollout can spare {spare} "
                     f"(with {n_ref} already Ref)")
