@@ -173,3 +173,29 @@ async def test_busy_seconds_count_the_time_a_rank_has_any_request_in_flight():
     assert lb.get_status()["busy_s"] == {sid_a: pytest.approx(4.0), sid_b: pytest.approx(5.0)}
     lb.remove_servers([sid_b])
     assert lb.busy_seconds() == {sid_a: pytest.approx(4.0)}
+
+
+async def test_idle_rank_seconds_count_ranks_out_of_work_not_ranks_whose_tasks_wait_for_admission():
+    lb = _lb()
+    now = [0.0]
+    lb.clock = lambda: now[0]
+    lb._idle_since = 0.0
+    now[0] = 2.0  # nothing dispatched yet: both ranks out of work
+    sid_a, _ = await lb.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+    sid_b, _ = await lb.acquire_server("b", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+    now[0] = 3.0
+    lb.release_server(sid_a, request_id="a")  # a waits for its environment, still resident
+    now[0] = 4.0  # 1 s with a's rank idle and nothing queued
+    waiting = asyncio.create_task(lb.acquire_server("c", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # c fits on no rank: queued for admission
+    now[0] = 7.0  # a's rank idle, but c waits for admission: not out of work
+    lb.release_server(sid_b, request_id="b")
+    now[0] = 9.0
+    assert lb.idle_rank_seconds() == pytest.approx(2 * 2.0 + 1.0)
+    lb.finish("a")  # c is admitted on a's rank
+    sid_c, _ = await asyncio.wait_for(waiting, 5)
+    assert sid_c == sid_a
+    now[0] = 10.0  # b's rank idle for 1 s
+    assert lb.rollout_time()["idle_rank_s"] == pytest.approx(5.0 + 1.0)
+    assert lb.get_status()["idle_rank_s"] == pytest.approx(6.0)

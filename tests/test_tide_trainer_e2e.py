@@ -89,7 +89,10 @@ def test_every_turn_went_through_ctb_and_signals_are_reported(tide_run):
                     "tide/readiness/hol_latency_s", "tide/ers/ranks_rollout", "tide/ers/elastic_batch"):
             assert key in steps[n], (key, steps[n])
         assert steps[n]["tide/ers/ranks_rollout"] == 1
+    for n in range(2, STEPS + 1):  # from the second cycle on (the first has its start-up idle, no working time)
         assert 0 < steps[n]["tide/readiness/rollout_utilization"] <= 1  # the router's busy time, over working time
+        # RWT: the sync and the rollout out of work (verl refills one batch per step); the trainer is the bottleneck
+        assert steps[n]["tide/readiness/rwt_s"] > steps[n]["tide/readiness/twt_s"]
     assert "Prometheus metrics at http://127.0.0.1:" in tide_run.output
     assert len(re.findall(r"verl-tide step \d+: ERS plan: ", tide_run.output)) == STEPS
 

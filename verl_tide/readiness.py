@@ -10,7 +10,10 @@ Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Se
 - consumption deficit: rollout held back by the trainer, or (unless the trainer waited) HoL
   latency above tau x mean step time or RAS beyond the decoupled break-even point (the trainer is
   the bottleneck, RWT grows);
-- RWT / TWT: rollout and trainer wait time, accounted per step.
+- RWT / TWT: rollout and trainer wait time, accounted per step (RWT: paused for the weight sync, or
+  out of work at the staleness limit; per rank, averaged);
+- the rollout's rate over its working time and its utilization (the share of that time its ranks were
+  busy): what fewer rollout ranks could still make.
 """
 
 from __future__ import annotations

@@ -123,7 +123,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
-        self._rollout_busy_mark: dict[str, float] = {}  # CTB router's busy seconds per rank at the last boundary
+        # CTB router's busy seconds per rank and idle rank-seconds where this cycle's count starts
+        self._rollout_time_mark: tuple[dict[str, float], float] = ({}, 0.0)
         self._sample_started = 0.0
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
@@ -533,6 +534,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def on_train_begin(self):
         super().on_train_begin()
         self._training = True
+        self._mark_rollout_time()  # the first cycle counts from the first prompts, not from start-up
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
         if self.reward_loop_manager.reward_loop_worker_handles is None:
@@ -819,7 +821,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._check_rollout_ranks()  # a dead rank must not stall the weight sync
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
-        self._report_rollout_busy()
+        self._report_rollout_time()
         self.readiness.step_finished()
         step_metrics, plan, signals = self._scaling_plan()
         step_metrics.update(self._apply_plan(plan, signals))
@@ -834,6 +836,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._sync_weights()
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
+        self._mark_rollout_time()
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
         if self.restarts is not None:
@@ -1024,22 +1027,39 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.tide_metrics.update_from_ledger(self.ledger)
         return m
 
-    def _report_rollout_busy(self) -> None:
-        """The rollout ranks' busy time this cycle (CTB's router: seconds with a request in flight) for the readiness
-        signals: ERS's check that the remaining ranks can still feed the trainer counts work, not ranks. Without CTB,
-        or when the router cannot be read, nothing is reported and ERS assumes saturated ranks."""
+    def _read_rollout_time(self) -> Optional[dict[str, Any]]:
+        """CTB's router's rollout clocks (`CTBLoadBalancer.rollout_time`); None without CTB or when unreadable."""
         if not self.tide_config.ctb.enabled:
-            return
+            return None
         import ray
 
         try:
-            now = ray.get(self.standalone_server_manager.global_load_balancer.busy_seconds.remote(), timeout=30)
+            return ray.get(self.standalone_server_manager.global_load_balancer.rollout_time.remote(), timeout=30)
         except Exception as e:  # observability must not stop training
-            logger.warning("verl-tide: could not read the rollout ranks' busy time: %s", e)
+            logger.warning("verl-tide: could not read the rollout ranks' busy and idle time: %s", e)
+            return None
+
+    def _report_rollout_time(self) -> None:
+        """This cycle's rollout time for the readiness signals, from CTB's router: its busy seconds (ERS's check that
+        fewer ranks can still feed the trainer counts work, not ranks) and its idle rank-seconds with no task
+        waiting (rollout out of work: RWT beside the weight sync, as the simulator counts it). Without CTB nothing
+        is reported: RWT is the sync alone and ERS assumes saturated ranks."""
+        now = self._read_rollout_time()
+        if now is None:
             return
-        mark, self._rollout_busy_mark = self._rollout_busy_mark, dict(now)
-        if now:  # a relaunched rank has a new address: it starts from 0
-            self.readiness.rollout_busy(sum(max(0.0, t - mark.get(sid, 0.0)) for sid, t in now.items()), len(now))
+        busy, idle = now["busy_s"], float(now["idle_rank_s"])
+        mark_busy, mark_idle = self._rollout_time_mark
+        self._rollout_time_mark = (dict(busy), idle)
+        if busy:  # a relaunched rank has a new address: it starts from 0
+            self.readiness.rollout_busy(sum(max(0.0, t - mark_busy.get(sid, 0.0)) for sid, t in busy.items()),
+                                        len(busy))
+            self.readiness.rollout_waited(max(0.0, idle - mark_idle) / len(busy))
+
+    def _mark_rollout_time(self) -> None:
+        """Start the next cycle's rollout clocks here (after the weight sync, whose pause RWT counts apart)."""
+        now = self._read_rollout_time()
+        if now is not None:
+            self._rollout_time_mark = (dict(now["busy_s"]), float(now["idle_rank_s"]))
 
     def _ctb_metrics(self) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""

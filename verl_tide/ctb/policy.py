@@ -162,6 +162,10 @@ class CTBScheduler:
         for paused in self._paused_by_group.get(task.group_id, {}).values():
             self._push_paused(paused)
 
+    def count(self, state: TaskState) -> int:
+        """Tasks in `state` now (QUEUED: waiting for admission, work the rollout has not started)."""
+        return len(self._by_state[state])
+
     def set_admission_allowance(self, new_tasks: Optional[int]) -> None:
         """Staleness throttle: how many more new tasks may start before the trainer catches up (None = no limit)."""
         if new_tasks is not None and new_tasks < 0:
