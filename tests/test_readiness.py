@@ -149,6 +149,21 @@ def test_rollout_utilization_is_busy_time_over_the_ranks_working_time():
     assert tr.signals(ideal_batch=16, tau=1, t=20.0).rollout_utilization is None
 
 
+def test_the_first_cycle_counts_from_the_first_prompts_when_told():
+    def first_rate(started):
+        clock, tr = _tracker()
+        if started is not None:
+            tr.rollout_started(t=started)
+        tr.step_started(t=9.0)
+        tr.micro_batch_ready("a", 8, t=9.0)  # the whole first batch arrives at once, generated since t=1
+        tr.micro_batch_consumed("a", t=9.0)
+        tr.step_finished(t=10.0)
+        return tr.signals(ideal_batch=8, tau=1, t=10.0).rollout_capacity_rate
+
+    assert first_rate(None) == pytest.approx(8 / 1.0)  # from the first arrival: 8 seq/s
+    assert first_rate(1.0) == pytest.approx(8 / 9.0)  # from the first prompts: what rollout made
+
+
 def test_misuse_is_reported():
     clock, tr = _tracker()
     tr.micro_batch_ready("a", 1, t=0)

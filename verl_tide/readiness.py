@@ -110,7 +110,7 @@ class ReadinessTracker:
     _twt: float = 0.0
     _last_rwt: float = 0.0
     _last_twt: float = 0.0
-    _cycle_start: Optional[float] = None  # end of the previous step (or the first arrival)
+    _cycle_start: Optional[float] = None  # end of the previous step (or `rollout_started`, or the first arrival)
     _cycle_sequences: int = 0  # sequences made ready since then
     _last_capacity_rate: Optional[float] = None
     _cycle_busy: Optional[tuple[float, int]] = None  # (busy rank-seconds, ranks) reported for this cycle
@@ -134,6 +134,13 @@ class ReadinessTracker:
         if self._cycle_start is None:
             self._cycle_start = now
         self._cycle_sequences += sequences
+
+    def rollout_started(self, t: Optional[float] = None) -> None:
+        """Rollout got its first prompts: the first cycle's working time counts from here. Without it the first
+        cycle starts at the first arrival, and the sequences generated before it inflate the first rate (on the
+        CPU test bed the whole first batch arrived within a second of the first group: 8 seq/s read as far more)."""
+        if self._cycle_start is None:
+            self._cycle_start = self._now(t)
 
     def step_started(self, t: Optional[float] = None) -> None:
         self._step_start = self._now(t)

@@ -535,6 +535,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         super().on_train_begin()
         self._training = True
         self._mark_rollout_time()  # the first cycle counts from the first prompts, not from start-up
+        self.readiness.rollout_started()
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
         if self.reward_loop_manager.reward_loop_worker_handles is None:

@@ -577,6 +577,7 @@ class Simulation:
             if self.w.is_eval_step(0):
                 self._release_eval()
             self._release_train_groups()
+            self.tracker.rollout_started(t=self.t)
         while self.consumed_steps < self.w.steps:
             if self.t > max_sim_s:
                 raise RuntimeError(f"{self.spec.name}: not finished after {max_sim_s:.0f} simulated seconds")
