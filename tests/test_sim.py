@@ -215,6 +215,25 @@ def test_bench_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         cli_main(["bench", "--workload", "nope"])
     assert "not a preset" in capsys.readouterr().err
+    w = load_workload(TINY)
+    ideal = w.groups_for(8) * w.group_size
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--workload", TINY, "--gpus", "8", "--min-batch", str(ideal + 1), "--quiet"])
+    assert f"--min-batch {ideal + 1}: must be 1 to {ideal}" in capsys.readouterr().err
+
+
+def test_bench_min_batch_adds_tide_with_ers_elastic_batch(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--workload", TINY, "--gpus", "8", "--steps", "3", "--min-batch", "1", "--json",
+                     str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    elastic = report["tide_min_batch"]
+    assert "tide_min_batch" in report["systems"] and elastic["min_batch"] == 1
+    # steps after the first train what was ready: fewer micro-batches than a full step (see the test below)
+    full = report["tide_steps"][0]["micro_batches"]
+    assert min(elastic["micro_batches_per_step"]) < full
+    assert elastic["consumed_tokens"] < elastic["tide_consumed_tokens"]
+    assert "tide.ers.min_batch = 1 of B_ideal" in capsys.readouterr().out
 
 
 def test_tide_trains_ers_elastic_batch_when_b_min_is_below_b_ideal():

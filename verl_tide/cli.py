@@ -39,9 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH", help="write goodput and waits as a PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--min-batch", type=int, default=None, metavar="SEQUENCES",
+                       help="also run tide with ERS's elastic batch, tide.ers.min_batch = SEQUENCES (1 to B_ideal), "
+                            "as system tide_min_batch (steps train fewer sequences when little is ready)")
 
     args = parser.parse_args(argv)
     if args.group == "bench":
+        from verl_tide.sim.bench import BenchError
         from verl_tide.sim.bench import main as run_bench
         from verl_tide.sim.workload import WorkloadError
 
@@ -50,8 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps is not None and args.steps < 1:
             parser.error(f"--steps {args.steps}: must be >= 1")
         try:
-            return run_bench(args.workload, args.gpus, args.json, args.plot, args.seed, args.steps, args.quiet)
-        except WorkloadError as e:
+            return run_bench(args.workload, args.gpus, args.json, args.plot, args.seed, args.steps, args.quiet,
+                             args.min_batch)
+        except (WorkloadError, BenchError) as e:
             parser.error(str(e))
     if args.group == "paths":
         from importlib.resources import files

@@ -20,11 +20,16 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
+from verl_tide.config import ERSConfig
 from verl_tide.sim.cluster import Result, Simulation, SystemSpec
 from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload
 
 RATIOS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # where the best lies at an end, the sweep is too short
+
+
+class BenchError(ValueError):
+    """A bench argument that does not fit the workload and cluster (the message names it and the allowed values)."""
 
 
 def oracle_goodput(w: Workload, gpus: int, hw: Hardware = Hardware(), samples: int = 4000, seed: int = 0) -> float:
@@ -60,10 +65,17 @@ def _decode_s_per_token(c: Costs, ctx: float) -> float:
 
 
 def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, ratios=RATIOS,
-              progress: Optional[Callable[[str], None]] = None) -> dict:
-    def sim(spec: SystemSpec) -> Result:
+              progress: Optional[Callable[[str], None]] = None, min_batch: Optional[int] = None) -> dict:
+    """`min_batch`: also run tide with ERS's elastic batch (`tide.ers.min_batch`, sequences, 1 to B_ideal) as system
+    `tide_min_batch`: steps train what is ready within [min_batch, B_ideal], so fewer tokens per update."""
+    ideal = w.groups_for(gpus) * w.group_size
+    if min_batch is not None and not 1 <= min_batch <= ideal:
+        raise BenchError(f"--min-batch {min_batch}: must be 1 to {ideal} (B_ideal: {w.groups_for(gpus)} groups x "
+                         f"{w.group_size} sequences on {gpus} GPUs)")
+
+    def sim(spec: SystemSpec, tide_ers: ERSConfig = ERSConfig()) -> Result:
         t0 = time.monotonic()
-        s = Simulation(w, gpus, spec, hw, seed=seed)
+        s = Simulation(w, gpus, spec, hw, seed=seed, tide_ers=tide_ers)
         r = s.run()
         if spec.elastic:
             plan_ms.extend(s.ers_plan_ms)
@@ -87,12 +99,14 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
     results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
 
-    def tide(ratio: float, name: str = "tide") -> Result:
+    def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig()) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                              elastic=True))
+                              elastic=True), tide_ers)
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
+    if min_batch is not None:
+        results["tide_min_batch"] = tide(best, "tide_min_batch", replace(ERSConfig(), min_batch=min_batch))
     # tide from every start ratio: ERS moves ranks between rollout and Ref only (a Ref rank takes Ref work off
     # the trainer, no rank joins rollout from it), so from a rollout-starved start it cannot find the split
     # for the user; this shows what a worse (or better) start costs.
@@ -109,6 +123,11 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         "tide_steps": results["tide"].steps,
         "tide_ledger": results["tide"].ledger,
         "tide_ers_plan_ms_max": round(max(plan_ms, default=0.0), 4),
+        **({"tide_min_batch": {"min_batch": min_batch, "ideal_batch": ideal,
+                               "consumed_tokens": results["tide_min_batch"].consumed_tokens,
+                               "tide_consumed_tokens": results["tide"].consumed_tokens,
+                               "micro_batches_per_step": [s["micro_batches"] for s in results["tide_min_batch"].steps]}}
+           if min_batch is not None else {}),
     }
 
 
@@ -130,6 +149,11 @@ def format_table(report: dict) -> str:
     lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
                  f"RWT+TWT vs best fixed: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
                  f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
+    elastic = report.get("tide_min_batch")
+    if elastic:
+        lines.append(f"tide_min_batch: tide.ers.min_batch = {elastic['min_batch']} of B_ideal {elastic['ideal_batch']} "
+                     f"sequences; a step trains what is ready in that range, so the run's updates took "
+                     f"{elastic['consumed_tokens']:,} tokens against tide's {elastic['tide_consumed_tokens']:,}")
     starts = report.get("tide_start_ratio_sweep", {})
     if starts:
         lines.append("tide by start ratio (ERS moves rollout<->Ref only; a rollout-starved start stays so): " + ", ".join(
@@ -168,7 +192,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional[str], seed: int,
-         steps: Optional[int], quiet: bool) -> int:
+         steps: Optional[int], quiet: bool, min_batch: Optional[int] = None) -> int:
     from verl_tide.sim.workload import load_workload
 
     w = load_workload(workload)
@@ -179,7 +203,7 @@ def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional
     if say:
         say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, "
             f"hybrid, tide from {len(RATIOS)} start ratios")
-    report = run_bench(w, gpus, seed=seed, progress=say)
+    report = run_bench(w, gpus, seed=seed, progress=say, min_batch=min_batch)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     print(format_table(report))
     if json_path:
