@@ -622,7 +622,7 @@ class Simulation:
             return True
         if self.spec.sync:  # idle at the barrier; during the train phase these GPUs train
             return self._sync_state in ("rollout", "eval") and self.t >= self.phase_end
-        if self.ctb is not None and self.ctb._by_state[TaskState.QUEUED]:
+        if self.ctb is not None and self.ctb.count(TaskState.QUEUED):  # as CTB's router counts out-of-work time
             return False
         return self.throttled
 
