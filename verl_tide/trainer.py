@@ -921,7 +921,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
             "tide/readiness/ready_volume": float(signals.ready_volume),
             "tide/readiness/rwt_s": float(signals.rollout_wait_s),
             "tide/readiness/twt_s": float(signals.trainer_wait_s),
-
             "tide/rollout/ranks_quarantined": float(len(self.quarantined)),
             "tide/ers/planned_moves": float(len(plan.moves)),
             "tide/ers/elastic_batch": float(plan.batch_size),
