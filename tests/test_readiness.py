@@ -149,6 +149,28 @@ def test_rollout_utilization_is_busy_time_over_the_ranks_working_time():
     assert tr.signals(ideal_batch=16, tau=1, t=20.0).rollout_utilization is None
 
 
+def test_cumulative_rollout_clocks_report_what_they_gained_since_the_mark():
+    clock, tr = _tracker()
+    tr.rollout_started(t=0.0)
+    tr.rollout_clocks({"a": 100.0, "b": 50.0}, idle_rank_s=30.0, report=False)  # clocks kept since start-up
+    tr.step_started(t=0.0)
+    tr.micro_batch_ready("m", 8, t=4.0)
+    tr.micro_batch_consumed("m", t=4.0)
+    # a: 6 s busy; b: 2 s; c: a relaunched rank under a new address, 4 s since it came up; idle +6 over 3 ranks
+    tr.rollout_clocks({"a": 106.0, "b": 52.0, "c": 4.0}, idle_rank_s=36.0)
+    tr.step_finished(t=10.0)
+    s = tr.signals(ideal_batch=8, tau=1, t=10.0)
+    assert s.rollout_wait_s == pytest.approx(2.0)  # 6 idle rank-seconds, per rank
+    assert s.rollout_utilization == pytest.approx(12.0 / (3 * 8.0))  # working time 10 - 2 s RWT
+    tr.rollout_clocks({"a": 110.0, "b": 52.0, "c": 4.0}, idle_rank_s=40.0, report=False)  # the sync: left out
+    tr.step_started(t=11.0)
+    tr.rollout_clocks({"a": 111.0, "b": 53.0, "c": 5.0}, idle_rank_s=43.0)
+    tr.step_finished(t=14.0)
+    assert tr.signals(ideal_batch=8, tau=1, t=14.0).rollout_wait_s == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="idle_rank_s = -1"):
+        tr.rollout_clocks({"a": 1.0}, idle_rank_s=-1.0)
+
+
 def test_the_first_cycle_counts_from_the_first_prompts_when_told():
     def first_rate(started):
         clock, tr = _tracker()

@@ -18,7 +18,7 @@ Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -114,6 +114,7 @@ class ReadinessTracker:
     _cycle_sequences: int = 0  # sequences made ready since then
     _last_capacity_rate: Optional[float] = None
     _cycle_busy: Optional[tuple[float, int]] = None  # (busy rank-seconds, ranks) reported for this cycle
+    _clock_marks: tuple[dict[Hashable, float], float] = field(default_factory=lambda: ({}, 0.0))
     _last_utilization: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -175,6 +176,23 @@ class ReadinessTracker:
             raise ValueError(f"rollout_busy: busy_rank_seconds = {busy_rank_seconds}, ranks = {ranks}: "
                              "must be >= 0 and >= 1")
         self._cycle_busy = (busy_rank_seconds, ranks)
+
+    def rollout_clocks(self, busy_s: Mapping[Hashable, float], idle_rank_s: Optional[float] = None,
+                       report: bool = True) -> None:
+        """Cumulative rollout clocks, as CTB's router keeps them: per rank, seconds with a request in flight, and
+        rank-seconds with nothing in flight while no task waited for admission (out of work). What they gained
+        since the last call is this cycle's `rollout_busy` and, per rank, `rollout_waited`; `report=False` only
+        moves the mark, to leave out time counted apart (the weight sync's pause). A rank not seen at the last
+        call (relaunched under a new address, back from Ref) counts from 0."""
+        if idle_rank_s is not None and idle_rank_s < 0 or any(v < 0 for v in busy_s.values()):
+            raise ValueError(f"rollout_clocks: busy_s = {dict(busy_s)}, idle_rank_s = {idle_rank_s}: must be >= 0")
+        mark_busy, mark_idle = self._clock_marks
+        self._clock_marks = (dict(busy_s), mark_idle if idle_rank_s is None else idle_rank_s)
+        if not report or not busy_s:
+            return
+        self.rollout_busy(sum(max(0.0, v - mark_busy.get(r, 0.0)) for r, v in busy_s.items()), len(busy_s))
+        if idle_rank_s is not None:
+            self.rollout_waited(max(0.0, idle_rank_s - mark_idle) / len(busy_s))
 
     def step_finished(self, t: Optional[float] = None) -> None:
         if self._step_start is None:

@@ -124,7 +124,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
         # CTB router's busy seconds per rank and idle rank-seconds where this cycle's count starts
-        self._rollout_time_mark: tuple[dict[str, float], float] = ({}, 0.0)
         self._sample_started = 0.0
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
@@ -534,7 +533,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def on_train_begin(self):
         super().on_train_begin()
         self._training = True
-        self._mark_rollout_time()  # the first cycle counts from the first prompts, not from start-up
+        self._report_rollout_time(report=False)  # the first cycle counts from the first prompts, not from start-up
         self.readiness.rollout_started()
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
@@ -837,7 +836,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._sync_weights()
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
-        self._mark_rollout_time()
+        self._report_rollout_time(report=False)
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
         if self.restarts is not None:
@@ -1039,27 +1038,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
             logger.warning("verl-tide: could not read the rollout ranks' busy and idle time: %s", e)
             return None
 
-    def _report_rollout_time(self) -> None:
-        """This cycle's rollout time for the readiness signals, from CTB's router: its busy seconds (ERS's check that
-        fewer ranks can still feed the trainer counts work, not ranks) and its idle rank-seconds with no task
-        waiting (rollout out of work: RWT beside the weight sync, as the simulator counts it). Without CTB nothing
-        is reported: RWT is the sync alone and ERS assumes saturated ranks."""
-        now = self._read_rollout_time()
-        if now is None:
-            return
-        busy, idle = now["busy_s"], float(now["idle_rank_s"])
-        mark_busy, mark_idle = self._rollout_time_mark
-        self._rollout_time_mark = (dict(busy), idle)
-        if busy:  # a relaunched rank has a new address: it starts from 0
-            self.readiness.rollout_busy(sum(max(0.0, t - mark_busy.get(sid, 0.0)) for sid, t in busy.items()),
-                                        len(busy))
-            self.readiness.rollout_waited(max(0.0, idle - mark_idle) / len(busy))
-
-    def _mark_rollout_time(self) -> None:
-        """Start the next cycle's rollout clocks here (after the weight sync, whose pause RWT counts apart)."""
+    def _report_rollout_time(self, report: bool = True) -> None:
+        """This cycle's rollout time for the readiness signals, from CTB's router's clocks: its busy seconds (ERS's
+        check that fewer ranks can still feed the trainer counts work, not ranks) and its idle rank-seconds with
+        no task waiting (rollout out of work: RWT beside the weight sync, as the simulator counts it). Without CTB
+        nothing is reported: RWT is the sync alone and ERS assumes saturated ranks. `report=False` starts the next
+        cycle's clocks here (after the weight sync, whose pause RWT counts apart)."""
         now = self._read_rollout_time()
         if now is not None:
-            self._rollout_time_mark = (dict(now["busy_s"]), float(now["idle_rank_s"]))
+            self.readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report)
 
     def _ctb_metrics(self) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""

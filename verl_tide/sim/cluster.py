@@ -192,7 +192,6 @@ class Simulation:
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
         self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
-        self._busy_mark: dict[int, float] = {}  # each rollout rank's busy seconds at the last post-update boundary
 
     # ---- task generation -------------------------------------------------------------------
     def _new_group(self, step: int, size: int) -> Group:
@@ -465,10 +464,9 @@ class Simulation:
         """After the actor update, before the weight sync: ERS moves ranks, then the sync pauses rollout."""
         end, times, rec = self._post_update
         self._post_update = None
-        if self.ranks:  # as trainer tide reads it from CTB's router: rank-seconds with a request in flight
-            self.tracker.rollout_busy(sum(rr.busy_s - self._busy_mark.get(r, 0.0) for r, rr in self.ranks.items()),
-                                      len(self.ranks))
-        self._busy_mark = {r: rr.busy_s for r, rr in self.ranks.items()}
+        # As trainer tide reads CTB's router: each rank's seconds with a request in flight. Idling under the
+        # staleness bound is fed to RWT tick by tick (`run`), so no idle clock here.
+        self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.ranks.items()})
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
