@@ -79,6 +79,22 @@ def test_break_even_ras():
     assert decoupled_break_even_ras(8, 10.0, t, actor_ranks=2, max_aggregate=8) == 0
 
 
+def test_break_even_ras_in_whole_mini_batches_that_arrive_together():
+    t = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=1.0, t_swap=1.0)
+
+    def paired(n0: int) -> list[float]:  # 8 groups, mini-batches of 2 arriving together every 2 x 10 s
+        return [0.0] * n0 + [20.0 * (k // 2 + 1) for k in range(8 - n0)]
+
+    got = decoupled_break_even_ras(8, 10.0, t, actor_ranks=4, max_aggregate=8, per_mini_batch=2)
+    assert got is not None and got % 2 == 0
+    assert decoupled_cost(paired(got), t, 4) <= colocated_cost(paired(got), t, 8)
+    assert all(decoupled_cost(paired(n0), t, 4) > colocated_cost(paired(n0), t, 8) for n0 in range(0, got, 2))
+    # Late groups arriving two at a time let colocated aggregate them: decoupled needs more ready than one by one.
+    assert got > decoupled_break_even_ras(8, 10.0, t, actor_ranks=4, max_aggregate=8)
+    with pytest.raises(ValueError, match="per_mini_batch = 0"):
+        decoupled_break_even_ras(8, 10.0, t, actor_ranks=4, max_aggregate=8, per_mini_batch=0)
+
+
 @pytest.mark.parametrize("bad", [dict(t_ref=-1.0), dict(t_swap=float("nan"))])
 def test_bad_stage_times(bad):
     kwargs = dict(t_ref=1.0, t_act_f=1.0, t_act_b=1.0, t_swap=1.0) | bad

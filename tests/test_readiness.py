@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_tide.readiness import (
+    mini_batch_ready_times,
     ReadinessTracker,
     post_start_gaps,
     ready_at_start,
@@ -201,3 +202,12 @@ def test_misuse_is_reported():
         tr.micro_batch_ready("b", 0)
     with pytest.raises(ValueError, match="smoothing"):
         ReadinessTracker(clock=clock, smoothing=0)
+
+
+def test_groups_train_when_their_mini_batch_is_complete():
+    # 5 groups, mini-batches of 2 in ready order: (-1, 2) complete at 2, (3, 7) at 7, the last (partial) at 9
+    assert mini_batch_ready_times([7.0, -1.0, 2.0, 9.0, 3.0], 2) == [2.0, 2.0, 7.0, 7.0, 9.0]
+    assert mini_batch_ready_times([3.0, 1.0], 1) == [1.0, 3.0]
+    assert mini_batch_ready_times([], 4) == []
+    with pytest.raises(ValueError, match="per_mini_batch = 0"):
+        mini_batch_ready_times([1.0], 0)

@@ -50,6 +50,16 @@ def time_per_ready_microbatch(ready_times: Sequence[float]) -> Optional[float]:
     return sum(gaps) / len(gaps) if gaps else None
 
 
+def mini_batch_ready_times(ready_times: Sequence[float], per_mini_batch: int) -> list[float]:
+    """Ready times as the trainer can use them, one per unit (sorted): verl's replay buffer hands out whole PPO
+    mini-batches of `per_mini_batch` ready groups, so no group of a mini-batch trains before its last group is
+    ready. Fed per group, RA2P's cost model would stream each group as it arrived, which the trainer never does."""
+    if per_mini_batch < 1:
+        raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
+    times = sorted(ready_times)
+    return [times[min(len(times), (i // per_mini_batch + 1) * per_mini_batch) - 1] for i in range(len(times))]
+
+
 @dataclass(frozen=True)
 class ReadinessSignals:
     """What RA2P's mode choice and ERS's scaling plan read after a step."""

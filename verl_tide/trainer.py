@@ -63,7 +63,7 @@ from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split
 from verl_tide.ra2p.cost import (RA2PMode, StageTimer, best_split, choose_mode, decoupled_break_even_ras,
                                  ref_rank_outlook)
 from verl_tide.ra2p.handoff import SampleIds
-from verl_tide.readiness import ReadinessTracker
+from verl_tide.readiness import ReadinessTracker, mini_batch_ready_times
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -936,10 +936,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[int],
                                                                            Optional[float]]:
-        """RA2P's mode (and split share) for the next step, from the last step's arrivals and measured stage times,
-        and what ERS needs from the cost model: (decoupled break-even RAS, elastic Ref ranks at which a mode using
+        """RA2P's mode (and split share) for the next step, from the last step's arrivals (each group at the time its
+        PPO mini-batch was complete: verl samples whole mini-batches) and measured stage times, and what ERS needs
+        from the cost model: (decoupled break-even RAS, elastic Ref ranks at which a mode using
         them pays, the saving of the next Ref rank). Predictions go into `m`."""
-        ready_times = self.readiness.last_ready_times
+        groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        ready_times = mini_batch_ready_times(self.readiness.last_ready_times, groups_per_mini_batch)
         if not (self.use_reference_policy and self.stage_timer.ready and ready_times):
             return None, None, None
         n_actor = max(1, self.actor_rollout_wg.world_size)
@@ -968,7 +970,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         break_even = None
         tprm = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau).tprm_smoothed
         if tprm:
-            break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times))
+            break_even = decoupled_break_even_ras(len(ready_times), tprm, times, n_actor, len(ready_times),
+                                                  per_mini_batch=groups_per_mini_batch)
         fixed = self.tide_config.ra2p.ref_ranks
         have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
         needed, saving = ref_rank_outlook(ready_times, on_ref_ranks, times, len(ready_times), have,

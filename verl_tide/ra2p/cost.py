@@ -7,6 +7,7 @@ are relative to the start of the training step (<= 0: ready at start).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -57,10 +58,12 @@ def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks:
     if actor_ranks < 1:
         raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
     fill = sum(i * times.t_ref for i in range(actor_ranks))
+    t_ref, t_act_f, t_act_b = times.t_ref, times.t_act_f, times.t_act_b
     actor_free = ref_free = 0.0
-    for a in sorted(max(t, 0.0) for t in ready_times):
-        ref_free = max(ref_free, a) + times.t_ref
-        actor_free = max(max(actor_free, a) + times.t_act_f, ref_free) + times.t_act_b
+    for a in _arrivals(ready_times):  # conditionals, not max(): ERS runs this over hundreds of groups per plan
+        ref_free = (ref_free if ref_free > a else a) + t_ref
+        start = (actor_free if actor_free > a else a) + t_act_f
+        actor_free = (start if start > ref_free else ref_free) + t_act_b
     return fill + actor_free
 
 
@@ -68,17 +71,30 @@ def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregat
     """C_col by simulating ready-batch aggregation: wait, swap in Ref for k ready, swap in Actor for k."""
     if max_aggregate < 1:
         raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
-    arrivals = sorted(max(a, 0.0) for a in ready_times)
+    return _colocated_clock(_arrivals(ready_times), times, max_aggregate)
+
+
+def _arrivals(ready_times: Sequence[float]) -> list[float]:
+    """Sorted ready times, none before the step's start: what the aggregation simulations walk (computed once
+    where one plan weighs many costs over the same arrivals)."""
+    return sorted([a if a > 0.0 else 0.0 for a in ready_times])
+
+
+def _colocated_clock(arrivals: list[float], times: StageTimes, max_aggregate: int) -> float:
     clock, j, n = 0.0, 0, len(arrivals)
     while j < n:
         clock = max(clock, arrivals[j])
-        k = 1
-        while j + k < n and k < max_aggregate and arrivals[j + k] <= clock:
-            k += 1
+        k = _burst(arrivals, j, clock, max_aggregate)
         clock += times.t_swap + k * times.t_ref
         clock += times.t_swap + k * (times.t_act_f + times.t_act_b)
         j += k
     return clock
+
+
+def _burst(arrivals: list[float], j: int, clock: float, max_aggregate: int) -> int:
+    """How many micro-batches from the j-th one aggregated pass takes at `clock`: those ready by then, at least
+    one, at most `max_aggregate` (a bisection: arrivals come in mini-batch bursts of equal times)."""
+    return max(1, min(max_aggregate, bisect_right(arrivals, clock, lo=j) - j))
 
 
 def split_cost(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref: float, share: float,
@@ -92,14 +108,16 @@ def split_cost(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
         raise ValueError(f"share = {share!r}: must be 0 <= x < 1 (all of it on Ref ranks is decoupled mode)")
     if max_aggregate < 1:
         raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
-    arrivals = sorted(max(a, 0.0) for a in ready_times)
+    return _split_clock(_arrivals(ready_times), times, ref_ranks_t_ref, share, max_aggregate)
+
+
+def _split_clock(arrivals: list[float], times: StageTimes, ref_ranks_t_ref: float, share: float,
+                 max_aggregate: int) -> float:
     clock = ref_free = 0.0
     j, n = 0, len(arrivals)
     while j < n:
         clock = max(clock, arrivals[j])
-        k = 1
-        while j + k < n and k < max_aggregate and arrivals[j + k] <= clock:
-            k += 1
+        k = _burst(arrivals, j, clock, max_aggregate)
         ref_free = max(ref_free, clock) + share * k * ref_ranks_t_ref
         clock += 2 * times.t_swap + (1 - share) * k * times.t_ref + k * (times.t_act_f + times.t_act_b)
         if share > 0:
@@ -115,11 +133,14 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
                max_aggregate: int) -> tuple[float, float]:
     """(share, C_split): the share of each Ref pass that Ref ranks score with the lowest cost; the smallest
     share among equal costs (share 0 = colocated)."""
-    costs = {0: colocated_cost(ready_times, times, max_aggregate)}
+    if max_aggregate < 1:
+        raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+    arrivals = _arrivals(ready_times)
+    costs = {0: _colocated_clock(arrivals, times, max_aggregate)}
 
     def cost(i: int) -> float:
         if i not in costs:
-            costs[i] = split_cost(ready_times, times, ref_ranks_t_ref, i / SHARE_STEPS, max_aggregate)
+            costs[i] = _split_clock(arrivals, times, ref_ranks_t_ref, i / SHARE_STEPS, max_aggregate)
         return costs[i]
 
     # A coarse pass, then every step around its best (ERS weighs this for several Ref-rank counts per plan,
@@ -233,14 +254,54 @@ def choose_mode(ready_times: Sequence[float], times: StageTimes, actor_ranks: in
 
 
 def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTimes, actor_ranks: int,
-                             max_aggregate: int) -> Optional[int]:
+                             max_aggregate: int, per_mini_batch: int = 1) -> Optional[int]:
     """Smallest ready-at-start count N0 for which decoupled is no slower than colocated, when the
-    other micro-batches arrive every `tprm` seconds; None if colocated wins even with all ready."""
-    for n0 in range(n_micro_batches + 1):
-        ready = [0.0] * n0 + [tprm * (k + 1) for k in range(n_micro_batches - n0)]
+    other micro-batches arrive every `tprm` seconds; None if colocated wins even with all ready.
+    `per_mini_batch`: micro-batches the trainer takes at once (trainer `tide`: GRPO groups per PPO mini-batch):
+    they arrive together, every `per_mini_batch` x `tprm`, and N0 counts whole mini-batches (at most the
+    last is partial), so a step of hundreds of groups weighs tens of candidates, not hundreds."""
+    if per_mini_batch < 1:
+        raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
+    candidates = list(range(0, n_micro_batches, per_mini_batch)) + [n_micro_batches]
+    for n0 in candidates:
+        ready = [0.0] * n0 + [tprm * per_mini_batch * (k // per_mini_batch + 1) for k in range(n_micro_batches - n0)]
         if decoupled_cost(ready, times, actor_ranks) <= colocated_cost(ready, times, max_aggregate):
             return n0
     return None
+
+
+class _CostsByRefRanks:
+    """The step's predicted time with k Ref ranks, in the best mode they allow (colocated with 0; also decoupled,
+    and split when Ref on the Actor's ranks remains available), each k computed once over one step's arrivals:
+    ERS weighs several counts per plan, within its 1 ms budget."""
+
+    def __init__(self, ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
+                 colocated_times: StageTimes, max_aggregate: int, split: bool):
+        if max_aggregate < 1:
+            raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+        self.arrivals = _arrivals(ready_times)
+        self.times_with_ref_ranks, self.colocated_times = times_with_ref_ranks, colocated_times
+        self.max_aggregate, self.split = max_aggregate, split
+        self.colocated = _colocated_clock(self.arrivals, colocated_times, max_aggregate)
+        self._cost: dict[int, float] = {}
+
+    def __call__(self, ref_ranks: int) -> float:
+        if ref_ranks < 1:
+            return self.colocated
+        if ref_ranks not in self._cost:
+            t = self.times_with_ref_ranks(ref_ranks)
+            best = min(self.colocated, decoupled_cost(self.arrivals, t, actor_ranks=1))
+            if self.split:
+                best = min(best, best_split(self.arrivals, self.colocated_times, t.t_ref, self.max_aggregate)[1])
+            self._cost[ref_ranks] = best
+        return self._cost[ref_ranks]
+
+    def fewest_paying(self, max_ref_ranks: int) -> Optional[int]:
+        return next((k for k in range(1, max_ref_ranks + 1) if self(k) < self.colocated), None)
+
+    def saving(self, have: int, target: int) -> float:
+        now, then = self(have), self(target)
+        return max(0.0, (now - then) / now) if now > 0 else 0.0
 
 
 def ref_ranks_for_decoupled(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
@@ -249,11 +310,8 @@ def ref_ranks_for_decoupled(ready_times: Sequence[float], times_with_ref_ranks: 
     """Fewest Ref ranks (1..max_ref_ranks) with which decoupled mode (or split mode, with `split`) beats
     colocated on these arrivals; None if none does. `times_with_ref_ranks(k)` gives the stage times when k
     Ref ranks serve the Actor."""
-    c_col = colocated_cost(ready_times, colocated_times, max_aggregate)
-    for k in range(1, max_ref_ranks + 1):
-        if cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, k, split) < c_col:
-            return k
-    return None
+    return _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate,
+                            split).fewest_paying(max_ref_ranks)
 
 
 def _placement(mode: RA2PMode) -> RA2PMode:
@@ -264,14 +322,7 @@ def cost_with_ref_ranks(ready_times: Sequence[float], times_with_ref_ranks: Call
                         colocated_times: StageTimes, max_aggregate: int, ref_ranks: int, split: bool) -> float:
     """The step's predicted time with `ref_ranks` Ref ranks, in the best mode they allow (colocated with 0;
     also decoupled, and split when Ref on the Actor's ranks remains available)."""
-    c_col = colocated_cost(ready_times, colocated_times, max_aggregate)
-    if ref_ranks < 1:
-        return c_col
-    t = times_with_ref_ranks(ref_ranks)
-    best = min(c_col, decoupled_cost(ready_times, t, actor_ranks=1))
-    if split:
-        best = min(best, best_split(ready_times, colocated_times, t.t_ref, max_aggregate)[1])
-    return best
+    return _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, split)(ref_ranks)
 
 
 def ref_rank_outlook(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
@@ -280,17 +331,16 @@ def ref_rank_outlook(ready_times: Sequence[float], times_with_ref_ranks: Callabl
     """What ERS weighs before lending a rollout rank to Ref: (the fewest Ref ranks with which a mode using them
     pays, the saving of the next move toward that count from `have`); (None, None) if no count up to
     `max_ref_ranks` pays."""
-    args = (ready_times, times_with_ref_ranks, colocated_times, max_aggregate)
-    needed = ref_ranks_for_decoupled(*args, max_ref_ranks, split=split)
+    costs = _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, split)
+    needed = costs.fewest_paying(max_ref_ranks)
     if needed is None:
         return None, None
-    return needed, ref_rank_saving(*args, have=have, target=max(have + 1, needed), split=split)
+    return needed, costs.saving(have, max(have + 1, needed))
 
 
 def ref_rank_saving(ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
                     colocated_times: StageTimes, max_aggregate: int, have: int, target: int, split: bool) -> float:
     """Relative step-time saving the cost model predicts from `have` Ref ranks to `target` (>= 0; what ERS
     weighs before taking a rank from rollout)."""
-    now = cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, have, split)
-    then = cost_with_ref_ranks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, target, split)
-    return max(0.0, (now - then) / now) if now > 0 else 0.0
+    return _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate,
+                            split).saving(have, target)
