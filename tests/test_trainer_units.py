@@ -106,3 +106,43 @@ def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
     job = OmegaConf.create({"data": {"train_batch_size": 16}, "actor_rollout_ref": {"rollout": {"n": 8}}})
     assert TideTrainer.ideal_batch(parse_tide_config({}), job) == 128
     assert TideTrainer.ideal_batch(parse_tide_config({"ers": {"ideal_batch": 40}}), job) == 40
+
+
+def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
+    """verl's replay buffer hands out whole PPO mini-batches: a group ready early still waits for the rest of its
+    mini-batch, so RA2P's cost model must not stream it from its own ready time (it would under-state colocated
+    mode's wait and flatter decoupled mode's pipelining)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from verl_tide.ra2p.cost import RA2PMode, StageTimer, colocated_cost, decoupled_cost
+    from verl_tide.readiness import ReadinessTracker
+    from verl_tide.trainer import TideTrainer
+
+    trainer = TideTrainer.__new__(TideTrainer)
+    trainer.config = OmegaConf.create({"data": {"train_batch_size": 8}})
+    trainer.parameter_sync_step = 2  # mini-batches of 4 groups
+    trainer.readiness = ReadinessTracker(clock=lambda: 0.0)
+    trainer.readiness.last_ready_times = [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0, 30.0]
+    trainer.use_reference_policy = True
+    trainer.stage_timer = StageTimer()
+    for stage, seconds in (("ref", 1.0), ("act_f", 1.0), ("act_b", 2.0), ("swap", 0.5)):
+        trainer.stage_timer.observe(stage, 100, seconds)
+    trainer.actor_rollout_wg = SimpleNamespace(world_size=1)
+    trainer.ref_pool = None
+    trainer._handoff, trainer._ref_pool_wanted = False, False
+    trainer.ra2p_mode, trainer.ra2p_share = RA2PMode.COLOCATED, None
+    trainer.tide_config = SimpleNamespace(ra2p=SimpleNamespace(mode="auto", hysteresis=0.1, ref_ranks=0),
+                                          ers=SimpleNamespace(tau=1.0))
+    trainer.ers = SimpleNamespace(ideal_batch=16)
+    trainer.rollout_roles = {}
+    metrics: dict = {}
+    trainer._ra2p_decision(step_tokens=800, m=metrics)
+
+    times = trainer.stage_timer.stage_times(100)
+    as_trained = [10.0] * 4 + [30.0] * 4  # each mini-batch when its last group was ready
+    assert metrics["tide/ra2p/predicted_colocated_s"] == pytest.approx(colocated_cost(as_trained, times, 8))
+    assert metrics["tide/ra2p/predicted_decoupled_s"] == pytest.approx(decoupled_cost(as_trained, times, 1))
+    per_group = trainer.readiness.last_ready_times
+    assert colocated_cost(per_group, times, 8) != pytest.approx(colocated_cost(as_trained, times, 8))
