@@ -78,6 +78,26 @@ def test_cold_start_and_eval_preemptively_maximize_rollout():
     assert p.plan(1, signals(), roles(4, 0), phase=Phase.EVAL).moves == ()
 
 
+def test_ref_ranks_evaluation_borrowed_go_back_when_it_is_over():
+    p = policy()
+    r = roles(3, 1)
+    evaluation = p.plan(10, signals(), r, phase=Phase.EVAL)
+    assert [(m.rank, m.dst) for m in evaluation.moves] == [(3, Role.ROLLOUT)]
+    r = apply(r, evaluation)
+    # No confirmation and no capacity check (the split before was ERS's), but the cooldown holds: rank 3 came
+    # from Ref this step, so another rollout rank goes.
+    back = p.plan(11, signals(), r)
+    assert [(m.rank, m.src, m.dst) for m in back.moves] == [(2, Role.ROLLOUT, Role.REF)]
+    assert "evaluation over" in back.reason
+    r = apply(r, back)
+    assert p.plan(12, signals(), r).moves == ()  # the debt is paid
+    # A generation deficit after the evaluation cancels it: the split has to be earned again.
+    p2 = policy()
+    r2 = apply(roles(3, 1), p2.plan(10, signals(), roles(3, 1), phase=Phase.EVAL))
+    assert p2.plan(11, signals(gen=True, ready=2), r2).moves == ()
+    assert p2.plan(12, signals(), r2).moves == ()
+
+
 def test_balanced_or_both_deficits_hold():
     p = policy()
     for s in (signals(), signals(gen=True, cons=True)):

@@ -54,6 +54,7 @@ class ERSPolicy:
     confirm_steps: int = 2
     _last_moved: dict[int, tuple[int, Role]] = field(default_factory=dict)  # rank -> (step, role it left)
     _streak: tuple[Optional[Role], int] = (None, 0)  # (direction's destination, consecutive plans)
+    _borrowed: int = 0  # Ref ranks evaluation took back to rollout, owed to Ref once it is over
 
     def __post_init__(self) -> None:
         if self.ideal_batch < 1:
@@ -96,8 +97,13 @@ class ERSPolicy:
             # borrows even the min_ref_ranks back.
             self._streak = (None, 0)
             moves = self._moves(step, roles, Role.REF, Role.ROLLOUT, keep_ref=ref_floor)
+            if phase is Phase.EVAL:
+                self._borrowed += len(moves)
             return self._finish(step, moves, RA2PMode.COLOCATED, batch, False,
                                 f"{phase.value}: generation dominates, preemptively maximize rollout")
+        returned = self._return_borrowed(step, signals, roles, batch, elastic_ref)
+        if returned is not None:
+            return returned
         n_ref = sum(1 for r in roles.values() if r is Role.REF)
         if elastic_ref and n_ref < self.config.min_ref_ranks:
             moves = self._moves(step, roles, Role.ROLLOUT, Role.REF)
@@ -140,6 +146,26 @@ class ERSPolicy:
         if not moves:
             return self._finish(step, (), mode, batch, False, f"{why}; no {src.value} rank may move (limits/cooldown)")
         return self._finish(step, moves, mode, batch, want is Role.REF, f"{why}; move {len(moves)} {src.value} -> {want.value}")
+
+    def _return_borrowed(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role], batch: int,
+                         elastic_ref: bool) -> Optional[ScalingPlan]:
+        """After an evaluation, the Ref ranks it borrowed go back (one move a step, cooldown kept) without the
+        confirmation and the capacity check a new move needs: the split before it was ERS's, checked then.
+        Found in the simulator (WebShop, 8 GPUs x 100 steps): re-earning the move took 2 to 12 steps after each
+        evaluation (the capacity check is work-conserving, so cautious), 39 of 100 steps at the slower split.
+        A generation deficit now cancels the debt: the split has to be earned again."""
+        if not self._borrowed:
+            return None
+        if signals.generation_deficit or not elastic_ref:
+            self._borrowed = 0
+            return None
+        moves = self._moves(step, roles, Role.ROLLOUT, Role.REF)
+        if not moves:
+            return None  # a rank in cooldown: next step
+        self._borrowed -= len(moves)
+        self._streak = (None, 0)
+        return self._finish(step, moves, RA2PMode.DECOUPLED, batch, True,
+                            f"evaluation over: {len(moves)} borrowed rank(s) back rollout -> ref")
 
     def _rollout_would_starve(self, signals: ReadinessSignals, roles: Mapping[int, Role],
                               ref_ranks_needed: Optional[int] = None) -> str:
