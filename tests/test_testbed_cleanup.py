@@ -52,3 +52,19 @@ def test_a_runs_ipc_sockets_and_semaphores_go_with_it_and_nothing_else(tmp_path,
     finally:
         for p in glob.glob("/dev/shm/sem.mp-tide-test-*"):
             os.remove(p)
+
+
+def test_step_metrics_survive_a_line_ray_split_in_two():
+    from verl_tide.testing.testbed import parse_step_metrics
+
+    prefix = "\x1b[36m(TaskRunnerV1 pid=26769)\x1b[0m "
+    output = "\n".join([
+        prefix + "step:12 - a:1.0 - b:np.float64(2.5)",
+        prefix + "step:13 - a:3.0 ",
+        prefix + "- b:4.0 - training/global_step:13 - c:np.int64(5)",
+        prefix + "some other line",
+        prefix + "- not:6.0",
+    ])
+    steps = parse_step_metrics(output)
+    assert steps == {12: {"a": 1.0, "b": 2.5}, 13: {"a": 3.0, "b": 4.0, "training/global_step": 13.0,
+                                                         "c": 5.0}}

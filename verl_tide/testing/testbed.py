@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 from pathlib import Path
 
 from verl_tide.testing import rewards
@@ -294,21 +294,36 @@ def clean_shm(keep: set[str]) -> None:
 
 
 _STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+_RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)]*\)(?:\x1b\[0m)?\s?")
 
 
 def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
-    """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only)."""
-    steps: dict[int, dict[str, float]] = {}
+    """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only).
+
+    Ray's log forwarding can split one long line: a line whose text (after Ray's `(Actor pid=...)` prefix)
+    starts with `- ` continues the step line before it (seen once in 24 steps of 6 kB metrics lines; the
+    continuation held `.../global_step:13 - `, which a search anywhere in the line took for a new step line)."""
+    texts: dict[int, str] = {}
+    last: Optional[int] = None
     for line in output.splitlines():
-        m = _STEP_LINE.search(line)
-        if not m:
+        rest = _RAY_PREFIX.sub("", line)
+        m = _STEP_LINE.match(rest)  # at the start: a metric such as `training/global_step:13 - ` is no step line
+        if m:
+            last = int(m.group(1))
+            texts[last] = m.group(2)
             continue
+        if last is not None and rest.startswith("- "):
+            texts[last] = texts[last].rstrip() + " " + rest
+        else:
+            last = None
+    steps: dict[int, dict[str, float]] = {}
+    for n, text in texts.items():
         metrics = {}
-        for item in m.group(2).split(" - "):
-            key, _, value = item.rpartition(":")
+        for item in text.split(" - "):
+            key, _, value = item.strip().rpartition(":")
             try:
                 metrics[key] = float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip()))
             except ValueError:
                 pass
-        steps[int(m.group(1))] = metrics
+        steps[n] = metrics
     return steps
