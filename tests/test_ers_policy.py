@@ -89,8 +89,11 @@ def test_ref_ranks_evaluation_borrowed_go_back_when_it_is_over():
     back = p.plan(11, signals(), r)
     assert [(m.rank, m.src, m.dst) for m in back.moves] == [(2, Role.ROLLOUT, Role.REF)]
     assert "evaluation over" in back.reason
+    p.cancel(back)  # not carried out (no rank could host Ref): still owed
+    back = p.plan(12, signals(), r)
+    assert [m.rank for m in back.moves] == [2] and "evaluation over" in back.reason
     r = apply(r, back)
-    assert p.plan(12, signals(), r).moves == ()  # the debt is paid
+    assert p.plan(13, signals(), r).moves == ()  # the debt is paid
     # A generation deficit after the evaluation cancels it: the split has to be earned again.
     p2 = policy()
     r2 = apply(roles(3, 1), p2.plan(10, signals(), roles(3, 1), phase=Phase.EVAL))

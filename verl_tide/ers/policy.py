@@ -55,6 +55,7 @@ class ERSPolicy:
     _last_moved: dict[int, tuple[int, Role]] = field(default_factory=dict)  # rank -> (step, role it left)
     _streak: tuple[Optional[Role], int] = (None, 0)  # (direction's destination, consecutive plans)
     _borrowed: int = 0  # Ref ranks evaluation took back to rollout, owed to Ref once it is over
+    _returned: tuple[int, int] = (-1, 0)  # (step, ranks) of the last plan that paid some of that back
 
     def __post_init__(self) -> None:
         if self.ideal_batch < 1:
@@ -163,6 +164,7 @@ class ERSPolicy:
         if not moves:
             return None  # a rank in cooldown: next step
         self._borrowed -= len(moves)
+        self._returned = (step, len(moves))
         self._streak = (None, 0)
         return self._finish(step, moves, RA2PMode.DECOUPLED, batch, True,
                             f"evaluation over: {len(moves)} borrowed rank(s) back rollout -> ref")
@@ -201,6 +203,9 @@ class ERSPolicy:
         for m in plan.moves:
             if self._last_moved.get(m.rank) == (plan.step, m.src):
                 del self._last_moved[m.rank]
+        if self._returned[0] == plan.step:  # still owed
+            self._borrowed += self._returned[1]
+            self._returned = (-1, 0)
 
     def _hold(self, step: int, roles: Mapping[int, Role], batch: int, reason: str) -> ScalingPlan:
         mode = RA2PMode.DECOUPLED if any(r is Role.REF for r in roles.values()) else RA2PMode.COLOCATED
