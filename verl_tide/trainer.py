@@ -123,7 +123,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.metrics_server: Any = None
         self.tide_metrics: Any = None
         self._step_tokens_before = 0
-        # CTB router's busy seconds per rank and idle rank-seconds where this cycle's count starts
         self._sample_started = 0.0
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
         self.health_timeout_s = 30.0
@@ -288,12 +287,17 @@ class TideTrainer(PPOTrainerSeparateAsync):
         k = len(self.ref_pool.replicas)
         return k / (k + max(1, self.actor_rollout_wg.world_size))
 
+    @property
+    def _groups_per_mini_batch(self) -> int:
+        """GRPO groups (prompts) in one PPO mini-batch: what verl's replay buffer hands out at once."""
+        return int(self.config.data.train_batch_size) // self.parameter_sync_step
+
     # ---- ERS's elastic batch -------------------------------------------------------------
     def step(self, metrics: dict, timing_raw: dict):
         """verl's step, over the mini-batches of ERS's elastic batch: with tide.ers.min_batch < B_ideal and less
         ready at the last boundary, the step trains fewer mini-batches and the weight sync comes sooner."""
         n = int(self.config.actor_rollout_ref.rollout.get("n", 1))
-        per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step * n
+        per_mini_batch = self._groups_per_mini_batch * n
         count = self.ers.mini_batches(self._elastic_batch, per_mini_batch, self.parameter_sync_step)
         self._window_mini_batches = count
         metrics["tide/ers/step_mini_batches"] = float(count)
@@ -303,7 +307,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         from verl.trainer.ppo.v1.utils import MetricsAggregator
 
         # PPOTrainer.step (verl 0.9.1) with `count` mini-batches instead of parameter_sync_step
-        sample_batch_size = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        sample_batch_size = self._groups_per_mini_batch
         aggregator = MetricsAggregator()
         prepare_metrics = self.prepare_step()
         if prepare_metrics:
@@ -410,8 +414,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         cap = self.tide_config.ra2p.max_aggregate
         if cap is not None:
             return cap
-        groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
-        return window_groups_left(self._window_mini_batches, self.local_trigger_step, groups_per_mini_batch)
+        return window_groups_left(self._window_mini_batches, self.local_trigger_step, self._groups_per_mini_batch)
 
     def _score_ref(self, batch, keys: list[str], tags: list[dict], metrics: dict,
                    on_replicas: Optional[list[str]] = None) -> None:
@@ -940,7 +943,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         PPO mini-batch was complete: verl samples whole mini-batches) and measured stage times, and what ERS needs
         from the cost model: (decoupled break-even RAS, elastic Ref ranks at which a mode using
         them pays, the saving of the next Ref rank). Predictions go into `m`."""
-        groups_per_mini_batch = int(self.config.data.train_batch_size) // self.parameter_sync_step
+        groups_per_mini_batch = self._groups_per_mini_batch
         ready_times = mini_batch_ready_times(self.readiness.last_ready_times, groups_per_mini_batch)
         if not (self.use_reference_policy and self.stage_timer.ready and ready_times):
             return None, None, None
