@@ -5,7 +5,9 @@ Trainer `tide` records one ready time per GRPO group, so a step of B groups give
 `_scaling_plan` run it: RA2P's mode choice (with split), the decoupled break-even RAS, ERS's Ref-rank outlook
 and `ERSPolicy.plan`. Arrivals: a quarter of the groups ready at the start, the rest over a minute.
 Target (issue 6): a plan in < 1 ms. Prints a table; `--json PATH` writes the numbers.
-`--per-group` feeds each group's own ready time and one-group break-even candidates (before 2026-11-30).
+`--per-group` feeds each group's own ready time and one-group break-even candidates, the input trainer `tide`
+gave the cost model before 2026-11-30 (run against today's cost functions: the "before" numbers in the README
+were taken with the code of that time).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from verl_tide.config import ERSConfig
 from verl_tide.ers.policy import ERSPolicy, Role
 from verl_tide.ra2p.cost import StageTimes, choose_mode, decoupled_break_even_ras, ref_rank_outlook
-from verl_tide.readiness import ReadinessSignals
+from verl_tide.readiness import ReadinessSignals, mini_batch_ready_times
 
 MINI_BATCHES_PER_STEP = 16
 ACTOR_RANKS, ROLLOUT_RANKS = 20, 12
@@ -44,8 +46,6 @@ def one_step(groups: int, rng: random.Random, per_group: bool) -> float:
     if per_group:
         ready, unit = sorted(raw), 1
     else:
-        from verl_tide.readiness import mini_batch_ready_times
-
         ready, unit = mini_batch_ready_times(raw, per_mini_batch), per_mini_batch
     choose_mode(ready, on_ref_ranks(1), actor_ranks=1, max_aggregate=len(ready), colocated_times=col,
                 split_ref_t_ref=on_ref_ranks(1).t_ref)

@@ -69,9 +69,13 @@ def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks:
 
 def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int) -> float:
     """C_col by simulating ready-batch aggregation: wait, swap in Ref for k ready, swap in Actor for k."""
+    _check_aggregate(max_aggregate)
+    return _colocated_clock(_arrivals(ready_times), times, max_aggregate)
+
+
+def _check_aggregate(max_aggregate: int) -> None:
     if max_aggregate < 1:
         raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
-    return _colocated_clock(_arrivals(ready_times), times, max_aggregate)
 
 
 def _arrivals(ready_times: Sequence[float]) -> list[float]:
@@ -106,8 +110,7 @@ def split_cost(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
     Ref forward on the Ref ranks. share = 0 is `colocated_cost`."""
     if not 0 <= share < 1:
         raise ValueError(f"share = {share!r}: must be 0 <= x < 1 (all of it on Ref ranks is decoupled mode)")
-    if max_aggregate < 1:
-        raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+    _check_aggregate(max_aggregate)
     return _split_clock(_arrivals(ready_times), times, ref_ranks_t_ref, share, max_aggregate)
 
 
@@ -133,8 +136,7 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
                max_aggregate: int) -> tuple[float, float]:
     """(share, C_split): the share of each Ref pass that Ref ranks score with the lowest cost; the smallest
     share among equal costs (share 0 = colocated)."""
-    if max_aggregate < 1:
-        raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+    _check_aggregate(max_aggregate)
     arrivals = _arrivals(ready_times)
     costs = {0: _colocated_clock(arrivals, times, max_aggregate)}
 
@@ -277,8 +279,7 @@ class _CostsByRefRanks:
 
     def __init__(self, ready_times: Sequence[float], times_with_ref_ranks: Callable[[int], StageTimes],
                  colocated_times: StageTimes, max_aggregate: int, split: bool):
-        if max_aggregate < 1:
-            raise ValueError(f"max_aggregate = {max_aggregate}: must be >= 1")
+        _check_aggregate(max_aggregate)
         self.arrivals = _arrivals(ready_times)
         self.times_with_ref_ranks, self.colocated_times = times_with_ref_ranks, colocated_times
         self.max_aggregate, self.split = max_aggregate, split
