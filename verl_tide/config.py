@@ -156,6 +156,11 @@ class ERSConfig:
                                       "step-time saving RA2P's cost model must predict before a rollout rank "
                                       "moves to Ref")
     )
+    split_advice_kv_bound: float = field(
+        default=0.5, metadata=_check(lambda x: 0 < x <= 1, "0 < x <= 1",
+                                     "share of the rollout's working time work must wait for KV budget before "
+                                     "ERS advises more rollout GPUs (tide/ers/advised_rollout_gpus)")
+    )
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ class TideMetrics:
 
     def update_from_ers(self, plan: ScalingPlan, signals: ReadinessSignals, roles: Mapping[int, Role]) -> None:
         """One step of ERS: ranks per role after the plan, the plan and its reason, RWT, TWT, RAS, TPRM, HoL, and
-        the rollout ranks' utilization (when CTB's router reported it)."""
+        the rollout ranks' utilization, KV-bound share and decode context (when CTB's router reported them)."""
         counts: dict[str, int] = {}
         for role in roles.values():
             counts[role.value] = counts.get(role.value, 0) + 1
@@ -162,7 +162,9 @@ class TideMetrics:
                             ("ready_at_start", signals.ready_at_start), ("hol_latency_s", signals.hol_latency),
                             ("time_per_ready_microbatch_s", signals.tprm_smoothed),
                             ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size),
-                            ("rollout_utilization", signals.rollout_utilization)):
+                            ("rollout_utilization", signals.rollout_utilization),
+                            ("rollout_kv_bound", signals.rollout_kv_bound),
+                            ("rollout_decode_context_tokens", signals.rollout_decode_context)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
 

@@ -12,8 +12,9 @@ Pure Python (no verl, ray or torch), clock injected. Vocabulary of the paper (Se
   the bottleneck, RWT grows);
 - RWT / TWT: rollout and trainer wait time, accounted per step (RWT: paused for the weight sync, or
   out of work at the staleness limit; per rank, averaged);
-- the rollout's rate over its working time and its utilization (the share of that time its ranks were
-  busy): what fewer rollout ranks could still make.
+- the rollout's rate over its working time, its utilization (the share of that time its ranks were
+  busy) and how KV-bound it was (the share of that time work waited for KV budget): what fewer rollout
+  ranks could still make, and whether more would make more.
 """
 
 from __future__ import annotations
@@ -80,6 +81,14 @@ class ReadinessSignals:
     # The share of that working time the rollout ranks had a request in flight (busy rank-seconds over ranks x
     # working seconds, at most 1): below 1 fewer ranks could have done the same work. None when not reported.
     rollout_utilization: Optional[float] = None
+    # The share of that working time CTB held work back for KV budget (tasks paused, or queued with no rank able to
+    # hold them): the rollout was saturated, so more ranks would have run that work. None when not reported.
+    rollout_kv_bound: Optional[float] = None
+    # Mean context (tokens) of the turns in flight per rollout rank over that working time: the KV a decode
+    # iteration reads. Against the model's weight bytes it says whether more ranks decode faster. None if unknown.
+    rollout_decode_context: Optional[float] = None
+    # The last step cycle (end of one step to the end of the next), seconds; None before the first.
+    cycle_s: Optional[float] = None
 
     def rollout_rate_with(self, ranks: int, of: int) -> Optional[float]:
         """Sequences per second `ranks` of the `of` rollout ranks could make, from the last cycle: the same rate
@@ -124,8 +133,13 @@ class ReadinessTracker:
     _cycle_sequences: int = 0  # sequences made ready since then
     _last_capacity_rate: Optional[float] = None
     _cycle_busy: Optional[tuple[float, int]] = None  # (busy rank-seconds, ranks) reported for this cycle
-    _clock_marks: tuple[dict[Hashable, float], float] = field(default_factory=lambda: ({}, 0.0))
+    _cycle_load: Optional[tuple[float, float, int]] = None  # (KV-wait s, generating token-s, ranks) reported
+    _busy_marks: dict[Hashable, float] = field(default_factory=dict)
+    _clock_marks: dict[str, float] = field(default_factory=dict)  # cumulative router clocks at the last read
     _last_utilization: Optional[float] = None
+    _last_kv_bound: Optional[float] = None
+    _last_decode_context: Optional[float] = None
+    _last_cycle_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not 0 < self.smoothing <= 1:
@@ -188,21 +202,29 @@ class ReadinessTracker:
         self._cycle_busy = (busy_rank_seconds, ranks)
 
     def rollout_clocks(self, busy_s: Mapping[Hashable, float], idle_rank_s: Optional[float] = None,
-                       report: bool = True) -> None:
-        """Cumulative rollout clocks, as CTB's router keeps them: per rank, seconds with a request in flight, and
-        rank-seconds with nothing in flight while no task waited for admission (out of work). What they gained
-        since the last call is this cycle's `rollout_busy` and, per rank, `rollout_waited`; `report=False` only
-        moves the mark, to leave out time counted apart (the weight sync's pause). A rank not seen at the last
-        call (relaunched under a new address, back from Ref) counts from 0."""
-        if idle_rank_s is not None and idle_rank_s < 0 or any(v < 0 for v in busy_s.values()):
-            raise ValueError(f"rollout_clocks: busy_s = {dict(busy_s)}, idle_rank_s = {idle_rank_s}: must be >= 0")
-        mark_busy, mark_idle = self._clock_marks
-        self._clock_marks = (dict(busy_s), mark_idle if idle_rank_s is None else idle_rank_s)
+                       report: bool = True, kv_wait_s: Optional[float] = None,
+                       generating_token_s: Optional[float] = None) -> None:
+        """Cumulative rollout clocks, as CTB's router keeps them: per rank, seconds with a request in flight;
+        rank-seconds with nothing in flight while no task waited for admission (out of work); seconds during which
+        work waited for KV budget; and token-seconds of the context of the turns in flight (decode load). What
+        they gained since the last call is this cycle's `rollout_busy`, per rank `rollout_waited`, and the cycle's
+        KV-bound time and decode load (the last two together or not at all); `report=False` only moves the mark,
+        to leave out time counted apart (the weight sync's pause). A rank not seen at the last call (relaunched
+        under a new address, back from Ref) counts from 0."""
+        clocks = {"idle_rank_s": idle_rank_s, "kv_wait_s": kv_wait_s, "generating_token_s": generating_token_s}
+        if any(v is not None and v < 0 for v in clocks.values()) or any(v < 0 for v in busy_s.values()):
+            raise ValueError(f"rollout_clocks: busy_s = {dict(busy_s)}, " + ", ".join(
+                f"{k} = {v}" for k, v in clocks.items()) + ": must be >= 0")
+        gained = {k: max(0.0, v - self._clock_marks.get(k, 0.0)) for k, v in clocks.items() if v is not None}
+        mark_busy, self._busy_marks = self._busy_marks, dict(busy_s)
+        self._clock_marks.update({k: v for k, v in clocks.items() if v is not None})
         if not report or not busy_s:
             return
         self.rollout_busy(sum(max(0.0, v - mark_busy.get(r, 0.0)) for r, v in busy_s.items()), len(busy_s))
-        if idle_rank_s is not None:
-            self.rollout_waited(max(0.0, idle_rank_s - mark_idle) / len(busy_s))
+        if "idle_rank_s" in gained:
+            self.rollout_waited(gained["idle_rank_s"] / len(busy_s))
+        if "kv_wait_s" in gained and "generating_token_s" in gained:
+            self._cycle_load = (gained["kv_wait_s"], gained["generating_token_s"], len(busy_s))
 
     def step_finished(self, t: Optional[float] = None) -> None:
         if self._step_start is None:
@@ -215,7 +237,11 @@ class ReadinessTracker:
                 self._last_capacity_rate = self._cycle_sequences / working
                 busy = self._cycle_busy  # not reported for this cycle: unknown, never the last cycle's
                 self._last_utilization = None if busy is None else min(1.0, busy[0] / (busy[1] * working))
-        self._cycle_start, self._cycle_sequences, self._cycle_busy = now, 0, None
+                load = self._cycle_load
+                self._last_kv_bound = None if load is None else min(1.0, load[0] / working)
+                self._last_decode_context = None if load is None else load[1] / (working * load[2])
+            self._last_cycle_s = now - self._cycle_start
+        self._cycle_start, self._cycle_sequences, self._cycle_busy, self._cycle_load = now, 0, None, None
         self.last_ready_times = sorted(self._step_ready_times)
         self._last_ras = ready_at_start(self._step_ready_times)
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
@@ -259,6 +285,9 @@ class ReadinessTracker:
             trainer_wait_s=self._last_twt,
             rollout_capacity_rate=self._last_capacity_rate,
             rollout_utilization=self._last_utilization,
+            rollout_kv_bound=self._last_kv_bound,
+            rollout_decode_context=self._last_decode_context,
+            cycle_s=self._last_cycle_s,
         )
 
 

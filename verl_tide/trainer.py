@@ -54,6 +54,7 @@ from verl.workers.rollout.utils import update_prometheus_config
 
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.config import TideConfigError
+from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
@@ -117,6 +118,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.hybrid_rollout_config = HybridRolloutSwitchConfig(enable_switch=False)
         self.ers = ERSPolicy(self.tide_config.ers, ideal_batch=self.ideal_batch(self.tide_config, config))
         self._elastic_batch = self.ers.ideal_batch  # sequences the next step trains (ERS's plan, each boundary)
+        self.split_advisor = SplitAdvisor()
+        self._eval_in_cycle = False  # this cycle's rollout also ran an overlapped evaluation
+        self._weight_kv_tokens: Optional[float] = None  # the rollout model's weights in KV tokens (split advice)
         self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
         self.ra2p_mode: Optional[Any] = None
         self.ra2p_share: Optional[float] = None  # split mode: the share of a Ref pass the replicas score (cost model)
@@ -930,12 +934,55 @@ class TideTrainer(PPOTrainerSeparateAsync):
         })
         if signals.rollout_utilization is not None:  # unknown without CTB's router
             m["tide/readiness/rollout_utilization"] = float(signals.rollout_utilization)
+        m.update(self._split_advice(signals))
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref_aggregator.counters.as_dict().items()})
         m.update(self._handoff_counters)
         m.update(self._ctb_metrics())
         m.update(self._engine_hit_rates())
         return m, plan, signals
+
+    def _split_advice(self, signals: Any) -> dict[str, float]:
+        """ERS cannot move the Actor's GPUs: where the trainer starves behind a saturated rollout, say which split
+        to start the job with (`ers.advice`). Cycles that ran an overlapped evaluation starve it by design."""
+        rollout = self.config.actor_rollout_ref.rollout
+        rollout_gpus = int(rollout.nnodes) * int(rollout.n_gpus_per_node)
+        per_replica = max(1, rollout_gpus // max(1, len(self.rollout_roles) + len(self.quarantined)))
+        now_rollout = per_replica * sum(r is Role.ROLLOUT for r in self.rollout_roles.values())
+        trainer_gpus = (int(self.config.trainer.nnodes) * int(self.config.trainer.n_gpus_per_node)
+                        + self.tide_config.ra2p.ref_ranks + per_replica * sum(
+                            r is Role.REF for r in self.rollout_roles.values()))
+        m = {}
+        if signals.rollout_kv_bound is not None:
+            m["tide/rollout/kv_bound"] = float(signals.rollout_kv_bound)
+        if signals.rollout_decode_context is not None:
+            m["tide/rollout/decode_context_tokens"] = float(signals.rollout_decode_context)
+        if not self._eval_in_cycle and now_rollout >= 1:
+            if self._weight_kv_tokens is None:
+                self._weight_kv_tokens = self._model_weight_kv_tokens()
+            before = self.split_advisor.standing
+            advice = self.split_advisor.update(advise_split(
+                signals, now_rollout, trainer_gpus, self.ers.ideal_batch, self._weight_kv_tokens or None,
+                self.tide_config.ers.split_advice_kv_bound, gpus_per_replica=per_replica))
+            if advice is not None and (before is None or before.rollout_gpus != advice.rollout_gpus):
+                print(f"verl-tide step {self.global_steps}: ERS split advice: {advice.reason}", flush=True)
+        self._eval_in_cycle = self._ers_phase() is Phase.EVAL
+        standing = self.split_advisor.standing
+        m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
+        return m
+
+    def _model_weight_kv_tokens(self) -> float:
+        """`ers.advice.weight_kv_tokens` of the job's model; 0.0 (no decode-bound advice) if its config is unreadable."""
+        model = self.config.actor_rollout_ref.model
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(str(model.path), trust_remote_code=bool(model.get("trust_remote_code",
+                                                                                                 False)))
+            return weight_kv_tokens(hf.to_dict()) or 0.0
+        except Exception as e:  # advice must not stop training
+            logger.warning("verl-tide: could not read the model config for the split advice: %s", e)
+            return 0.0
 
     def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[int],
                                                                            Optional[float]]:
@@ -1047,12 +1094,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _report_rollout_time(self, report: bool = True) -> None:
         """This cycle's rollout time for the readiness signals, from CTB's router's clocks: its busy seconds (ERS's
         check that fewer ranks can still feed the trainer counts work, not ranks) and its idle rank-seconds with
-        no task waiting (rollout out of work: RWT beside the weight sync, as the simulator counts it). Without CTB
-        nothing is reported: RWT is the sync alone and ERS assumes saturated ranks. `report=False` starts the next
-        cycle's clocks here (after the weight sync, whose pause RWT counts apart)."""
+        no task waiting (rollout out of work: RWT beside the weight sync, as the simulator counts it), and its
+        seconds with work waiting for KV budget (a saturated rollout: the split advice). Without CTB nothing is
+        reported: RWT is the sync alone and ERS assumes saturated ranks. `report=False` starts the next cycle's
+        clocks here (after the weight sync, whose pause RWT counts apart)."""
         now = self._read_rollout_time()
         if now is not None:
-            self.readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report)
+            self.readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report,
+                                          kv_wait_s=float(now["kv_wait_s"]),
+                                          generating_token_s=float(now["generating_token_s"]))
 
     def _ctb_metrics(self) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""

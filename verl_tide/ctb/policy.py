@@ -54,6 +54,7 @@ class Task:
     context_tokens: int = 0  # last reported real context length; 0 before the first turn
     charged: int = 0  # own tokens (beyond the group's shared prompt) charged to `rank` while resident
     generating: bool = False
+    generating_counted: int = 0  # its context in `CTBScheduler.generating_tokens` while generating
     outcome: Optional[Outcome] = None
     reason: str = ""
 
@@ -108,6 +109,13 @@ class CTBScheduler:
         self._heap_version: dict[TaskId, int] = {}
         self._paused_by_group: dict[Hashable, dict[TaskId, Task]] = {}
         self.counters = {"pauses": 0, "resumes": 0, "admissions": 0, **{o.value: 0 for o in Outcome}}
+        # After the last tick: work waits for KV budget (a task paused, or one queued that no rank can hold).
+        # The rollout is then saturated: more ranks would run it now (ERS's split advice reads the share of time).
+        self.waiting_for_kv = False
+        # Context tokens of the tasks generating now (a turn in flight), all ranks: the KV their decode iterations
+        # read. Against the model's weights it says whether decode is bound by KV reads (more ranks run it faster)
+        # or by weight reads (they do not): ERS's split advice reads its time average.
+        self.generating_tokens = 0
         for rank, capacity in rank_kv_capacity.items():
             self.add_rank(rank, capacity)
 
@@ -141,11 +149,11 @@ class CTBScheduler:
         own = max(context_tokens - self._shared_prompt(task), 0)
         self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
         task.charged = own
-        task.generating = True
+        self._set_generating(task, True)
 
     def turn_finished(self, task_id: TaskId) -> None:
         """Generation of the turn is done; the task now waits for its environment (a turn boundary)."""
-        self._live(task_id).generating = False
+        self._set_generating(self._live(task_id), False)
 
     def task_finished(self, task_id: TaskId, outcome: Outcome = Outcome.CONSUMED, reason: str = "") -> None:
         task = self._live(task_id)
@@ -154,7 +162,8 @@ class CTBScheduler:
         if task.context_tokens == 0:
             self._group_probing.discard(task.group_id)  # the probe ended before its first turn
         self._set_state(task, TaskState.DONE)
-        task.outcome, task.reason, task.generating = outcome, reason, False
+        task.outcome, task.reason = outcome, reason
+        self._set_generating(task, False)
         self._group_done[task.group_id] = self._group_done.get(task.group_id, 0) + 1
         self.counters[outcome.value] += 1
         if task.group_id in self._queued_by_group:
@@ -203,7 +212,7 @@ class CTBScheduler:
         moved = []
         for task in list(self.ranks[rank].residents.values()):
             self._release(task)
-            task.generating = False
+            self._set_generating(task, False)
             self._set_state(task, TaskState.PAUSED)
             moved.append(task.task_id)
         for task in self._by_state[TaskState.PAUSED].values():
@@ -231,8 +240,7 @@ class CTBScheduler:
         self._pause_over_budget(out)
         self._fail_oversize(out)
         self._resume_paused(out)
-        if not self._by_state[TaskState.PAUSED]:
-            self._admit_new(out)
+        self.waiting_for_kv = bool(self._by_state[TaskState.PAUSED]) or self._admit_new(out)
         return out
 
     def _pause_over_budget(self, out: SchedulerOutput) -> None:
@@ -241,7 +249,7 @@ class CTBScheduler:
                 victim = min(self._resident_on(rank_id), key=self._order)
                 reason = f"rank over budget ({rank.usage} > {rank.budget}); lowest priority"
                 self._release(victim)
-                victim.generating = False
+                self._set_generating(victim, False)
                 self._set_state(victim, TaskState.PAUSED)
                 self.counters["pauses"] += 1
                 out.pauses.append(Decision(victim.task_id, rank_id, reason))
@@ -283,11 +291,16 @@ class CTBScheduler:
             self.counters["resumes"] += 1
             out.resumes.append(Decision(task.task_id, rank, why))
 
-    def _admit_new(self, out: SchedulerOutput) -> None:
+    def _admit_new(self, out: SchedulerOutput) -> bool:
+        """Admit queued tasks by priority where they fit. Returns whether a queued task was left waiting for KV
+        budget (not for the staleness allowance, the environment limit or its group's probe)."""
         resident = len(self._by_state[TaskState.RESIDENT])
         max_free = max((r.budget - r.usage for r in self.ranks.values()), default=0)
-        if not self._by_state[TaskState.QUEUED] or max_free <= 0:
-            return
+        if not self._by_state[TaskState.QUEUED]:
+            return False
+        if max_free <= 0:
+            return True
+        blocked = False
         for group_id in self._admission_order():
             members = self._queued_by_group.get(group_id)
             if not members:
@@ -296,14 +309,16 @@ class CTBScheduler:
                 continue  # wait for the group's probe to report its first-turn footprint
             first = next(iter(members.values()))
             if self.footprint(first) - self._shared_prompt(first) > max_free:
+                blocked = True
                 continue  # no rank can hold any member, even one where the group's prompt is cached
             for task in list(members.values()):
                 if self._admission_allowance is not None and self._admission_allowance <= 0:
-                    return
+                    return False
                 if self.config.env_concurrency and resident >= self.config.env_concurrency:
-                    return
+                    return False
                 rank = self._best_rank(task, self.footprint(task))
                 if rank is None:
+                    blocked = True
                     break  # the group's queued members all need the same: none fits
                 self._place(task, rank)
                 resident += 1
@@ -317,7 +332,8 @@ class CTBScheduler:
                         break  # the probe runs alone until it reports the group's first-turn footprint
             max_free = max(r.budget - r.usage for r in self.ranks.values())
             if max_free <= 0:
-                return
+                return bool(self._by_state[TaskState.QUEUED])
+        return blocked
 
     def _admission_order(self) -> list[Hashable]:
         """GRPO groups with queued tasks, highest priority first. The members of one group share the
@@ -420,6 +436,11 @@ class CTBScheduler:
             self._paused_by_group.setdefault(task.group_id, {})[task.task_id] = task
             self._recheck[task.task_id] = task  # its footprint may exceed every budget
             self._push_paused(task)
+
+    def _set_generating(self, task: Task, generating: bool) -> None:
+        counted = task.context_tokens if generating else 0
+        self.generating_tokens += counted - task.generating_counted
+        task.generating, task.generating_counted = generating, counted
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)

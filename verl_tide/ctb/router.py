@@ -64,6 +64,8 @@ class CTBLoadBalancer:
         self._busy_since: dict[str, float] = {}  # per server with a request in flight: since when
         # rank-seconds with nothing in flight while no task waited for admission: rollout out of work
         self._idle_rank_s, self._idle_since = 0.0, self.clock()
+        self._kv_wait_s = 0.0  # seconds during which work waited for KV budget (CTB's `waiting_for_kv`)
+        self._generating_token_s = 0.0  # integral of CTB's `generating_tokens` over time (decode load)
         self.bypassed: dict[str, str] = {}  # request id -> server, for requests CTB could not place
         self.counters = {"bypassed": 0, "idle_finished": 0}
         self._turns: dict[str, int] = {}
@@ -110,7 +112,7 @@ class CTBLoadBalancer:
     async def acquire_server(self, request_id: str, prompt_ids: Optional[list[int]] = None,
                              sampling_params: Optional[dict[str, Any]] = None, **_: Any) -> tuple[str, Any]:
         self._ensure_metrics_task()
-        self._account_idle()
+        self._account_clocks()
         if request_id in self.bypassed:
             return self._take(self.bypassed[request_id])
         context = len(prompt_ids or []) + int((sampling_params or {}).get("max_tokens") or 0)
@@ -134,7 +136,7 @@ class CTBLoadBalancer:
         return self._take(rank)
 
     def release_server(self, server_id: str, request_id: Optional[str] = None) -> None:
-        self._account_idle()
+        self._account_clocks()
         if server_id in self.inflight and self.inflight[server_id] > 0:
             self.inflight[server_id] -= 1
             if self.inflight[server_id] == 0 and server_id in self._busy_since:
@@ -152,7 +154,7 @@ class CTBLoadBalancer:
 
     def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value) -> None:
         """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
-        self._account_idle()
+        self._account_clocks()
         self.bypassed.pop(request_id, None)
         self._env_sessions.pop(request_id, None)
         self._assigned.pop(request_id, None)
@@ -166,7 +168,7 @@ class CTBLoadBalancer:
                 json.dump(self.get_status(), f)
 
     def add_servers(self, servers: dict[str, Any]) -> None:
-        self._account_idle()
+        self._account_clocks()
         for sid, handle in servers.items():
             capacity = self.default_capacity or engine_kv_capacity(sid, self.backend)
             if not capacity:
@@ -177,7 +179,7 @@ class CTBLoadBalancer:
             self.gate.add_rank(sid, int(capacity))
 
     def remove_servers(self, server_ids: list[str]) -> None:
-        self._account_idle()
+        self._account_clocks()
         for sid in server_ids:
             if sid in self.servers:
                 moved = self.gate.remove_rank(sid)  # its tasks are re-dispatched elsewhere, none lost
@@ -229,12 +231,22 @@ class CTBLoadBalancer:
         admission: the rollout out of work, waiting for the trainer's next prompts (verl refills one batch per
         step) or for its environments. Trainer `tide` adds it to RWT beside the weight sync, as the simulator
         counts an idle rank under the staleness bound."""
-        self._account_idle()
+        self._account_clocks()
         return self._idle_rank_s
 
+    def kv_wait_seconds(self) -> float:
+        """Seconds, since the router started, during which CTB held work back for KV budget (a task paused, or
+        one queued that no rank could hold): the rollout was saturated, and more ranks would have run that work.
+        What ERS's split advice reads (`ReadinessSignals.rollout_kv_bound`)."""
+        self._account_clocks()
+        return self._kv_wait_s
+
     def rollout_time(self) -> dict[str, Any]:
-        """`busy_seconds` and `idle_rank_seconds` in one read (one Ray call per step boundary)."""
-        return {"busy_s": self.busy_seconds(), "idle_rank_s": self.idle_rank_seconds()}
+        """`busy_seconds`, `idle_rank_seconds`, `kv_wait_seconds` and the time integral of the context of the
+        turns in flight (token-seconds: the decode load; CTB's `generating_tokens`) in one read (one Ray call
+        per step boundary)."""
+        return {"busy_s": self.busy_seconds(), "idle_rank_s": self.idle_rank_seconds(),
+                "kv_wait_s": self.kv_wait_seconds(), "generating_token_s": self._generating_token_s}
 
     def clear_sticky_cache(self) -> dict:
         # After a weight sync every prefix cache is invalid anyway; CTB's budgets still describe
@@ -249,7 +261,7 @@ class CTBLoadBalancer:
         return {
             "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
             "active_servers": len(self.servers), "busy_s": self.busy_seconds(),
-            "idle_rank_s": self.idle_rank_seconds(),
+            "idle_rank_s": self.idle_rank_seconds(), "kv_wait_s": self.kv_wait_seconds(),
             "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
                     "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
                     **s.counters, **self.counters},
@@ -304,16 +316,21 @@ class CTBLoadBalancer:
         if self._metrics_refresh is not None and self._metrics_task is None:
             self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_refresh())
 
-    def _account_idle(self) -> None:
+    def _account_clocks(self) -> None:
         """Close the interval since the last event (nothing changes between events): ranks with nothing in flight
-        while CTB queued no task were out of work."""
+        while CTB queued no task were out of work; while CTB held work back for KV budget the rollout was
+        saturated; the context of the turns in flight is the decode load."""
         now = self.clock()
-        if self.gate.scheduler.count(TaskState.QUEUED) == 0:
+        scheduler = self.gate.scheduler
+        if scheduler.count(TaskState.QUEUED) == 0:
             self._idle_rank_s += (now - self._idle_since) * sum(1 for n in self.inflight.values() if n == 0)
+        if scheduler.waiting_for_kv:
+            self._kv_wait_s += now - self._idle_since
+        self._generating_token_s += (now - self._idle_since) * scheduler.generating_tokens
         self._idle_since = now
 
     def _take(self, server_id: str) -> tuple[str, Any]:
-        self._account_idle()
+        self._account_clocks()
         if self.inflight[server_id] == 0:
             self._busy_since[server_id] = self.clock()
         self.inflight[server_id] += 1

@@ -32,6 +32,7 @@ from typing import Optional
 
 from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimes, choose_mode, colocated_cost,
                                  decoupled_break_even_ras, decoupled_cost, global_batch_cost, ref_rank_outlook,
@@ -127,6 +128,7 @@ class Result:
     consumed_tokens: int
     ledger: dict
     steps: list
+    split_advice: Optional[SplitAdvice] = None  # ERS's last standing split advice (tide), None if none stood
 
     def row(self) -> dict:
         return {"goodput_tok_s": round(self.goodput_tok_s, 1), "rwt_s": round(self.rwt_s, 1),
@@ -192,6 +194,11 @@ class Simulation:
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
         self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
+        self._kv_wait_s = 0.0  # seconds CTB held work back for KV budget (as its router counts them)
+        self._generating_token_s = 0.0  # time integral of CTB's `generating_tokens` (the decode load)
+        self.advisor = SplitAdvisor()
+        self.split_advice: Optional[SplitAdvice] = None
+        self._eval_in_cycle = workload.is_eval_step(0)  # this cycle's rollout also ran an evaluation
 
     # ---- task generation -------------------------------------------------------------------
     def _new_group(self, step: int, size: int) -> Group:
@@ -466,7 +473,8 @@ class Simulation:
         self._post_update = None
         # As trainer tide reads CTB's router: each rank's seconds with a request in flight. Idling under the
         # staleness bound is fed to RWT tick by tick (`run`), so no idle clock here.
-        self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.ranks.items()})
+        self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.ranks.items()}, kv_wait_s=self._kv_wait_s,
+                                    generating_token_s=self._generating_token_s)
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
@@ -492,6 +500,12 @@ class Simulation:
             break_even = decoupled_break_even_ras(self.M, tprm, times, 1, self.spec.max_aggregate)
         signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
         phase = Phase.EVAL if eval_next else Phase.TRAIN
+        if not self._eval_in_cycle:  # an evaluation's rollout starves the trainer by design: no advice from it
+            advice = advise_split(signals, len(self.ranks), self.actor_ranks + len(self.ref_ranks), self.B,
+                                  self.costs.weight_bytes / self.costs.kv_bytes_per_token,
+                                  self.ers_cfg.split_advice_kv_bound)
+            self.split_advice = self.advisor.update(advice) or self.split_advice
+        self._eval_in_cycle = eval_next
         t0 = time.perf_counter()
         needed = saving = None
         if self.tracker.last_ready_times and self._last_tokens_per_mb:
@@ -600,6 +614,8 @@ class Simulation:
                     self._observation(tr)
             if self.ctb is not None:
                 self._ctb_tick()
+                self._kv_wait_s += self.dt if self.ctb.waiting_for_kv else 0.0
+                self._generating_token_s += self.dt * self.ctb.generating_tokens
             for rr in list(self.ranks.values()):
                 idle_before = rr.idle or self.t < rr.paused_until
                 for req in rr.advance(self.t, self.dt):
@@ -636,7 +652,7 @@ class Simulation:
             twt_s=self.twt_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
             step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
             consumed_tokens=self.ledger["consumed_tokens"], ledger=dict(self.ledger),
-            steps=[vars(s) for s in self.step_records])
+            steps=[vars(s) for s in self.step_records], split_advice=self.split_advice)
 
     def _all_ranks_seen(self) -> list[RolloutRank]:
         return [*self.ranks.values(), *self._retired]
