@@ -243,6 +243,15 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe):
                 assert set(rank.group_residents) == {t.group_id for t in resident}
                 assert rank.usage <= rank.budget  # no rank over budget after a tick
             paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
+            queued = [t for t in s.tasks.values() if t.state is TaskState.QUEUED]
+            if paused_now:
+                assert s.waiting_for_kv  # paused work waits for budget
+            if not paused_now and not queued:
+                assert not s.waiting_for_kv
+            if s.waiting_for_kv and not paused_now:  # a queued task that no rank can hold now
+                free = max(r.budget - r.usage for r in s.ranks.values())
+                assert any(s.footprint(t) - s._shared_prompt(t) > free or s._best_rank(t, s.footprint(t)) is None
+                           for t in queued)
             if out.admissions:
                 assert not paused_now  # paused tasks resume before new admissions
             for d in out.pauses:
@@ -251,6 +260,8 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe):
                     for other in s.tasks.values():
                         if other.state is TaskState.RESIDENT and other.rank == d.rank:
                             assert s.priority(other) >= s.priority(t)  # never paused under a lower one
+        # the decode load: the context of every task with a turn in flight, kept by every event
+        assert s.generating_tokens == sum(t.context_tokens for t in s.tasks.values() if t.generating)
     # nothing lost or duplicated: every task added is in exactly one state, outcomes counted once
     assert len(s.tasks) == added
     done = [t for t in s.tasks.values() if t.state is TaskState.DONE]

@@ -199,3 +199,40 @@ async def test_idle_rank_seconds_count_ranks_out_of_work_not_ranks_whose_tasks_w
     now[0] = 10.0  # b's rank idle for 1 s
     assert lb.rollout_time()["idle_rank_s"] == pytest.approx(5.0 + 1.0)
     assert lb.get_status()["idle_rank_s"] == pytest.approx(6.0)
+
+
+async def test_kv_wait_and_decode_load_clocks_for_the_split_advice():
+    """Seconds work waited for KV budget (a saturated rollout), and token-seconds of the context of the turns in
+    flight (the decode load): what ERS's split advice reads. A task waiting for the trainer's allowance is not
+    waiting for KV."""
+    lb = _lb()
+    now = [0.0]
+    lb.clock = lambda: now[0]
+    lb._idle_since = 0.0
+    sid_a, _ = await lb.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+    sid_b, _ = await lb.acquire_server("b", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+    now[0] = 1.0
+    lb.release_server(sid_a, request_id="a")  # a waits for its environment: no longer decoding
+    now[0] = 3.0
+    waiting = asyncio.create_task(lb.acquire_server("c", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()  # c fits on no rank: it waits for KV budget
+    now[0] = 7.0
+    lb.finish("a")  # c is admitted on a's rank and starts its turn
+    sid_c, _ = await asyncio.wait_for(waiting, 5)
+    now[0] = 8.0
+    clocks = lb.rollout_time()
+    assert clocks["kv_wait_s"] == pytest.approx(4.0)  # from 3 s to 7 s
+    # a decoded 900 tokens of context for 1 s, b for 8 s, c from 7 s to 8 s
+    assert clocks["generating_token_s"] == pytest.approx(900 * (1 + 8 + 1))
+    lb.release_server(sid_b, request_id="b")
+    lb.release_server(sid_c, request_id="c")
+    lb.gate.scheduler.set_admission_allowance(0)  # the staleness limit: new work waits for the trainer
+    blocked = asyncio.create_task(lb.acquire_server("d", prompt_ids=[1] * 50, sampling_params={"max_tokens": 10}))
+    await asyncio.sleep(0.01)
+    assert not blocked.done()
+    now[0] = 20.0
+    clocks = lb.rollout_time()
+    assert clocks["kv_wait_s"] == pytest.approx(4.0)  # d waits for the allowance, not for KV
+    assert clocks["generating_token_s"] == pytest.approx(9000.0)
+    blocked.cancel()

@@ -172,6 +172,30 @@ def test_cumulative_rollout_clocks_report_what_they_gained_since_the_mark():
         tr.rollout_clocks({"a": 1.0}, idle_rank_s=-1.0)
 
 
+def test_kv_bound_share_decode_context_and_cycle_from_the_router_clocks():
+    clock, tr = _tracker()
+    tr.rollout_started(t=0.0)
+    tr.rollout_clocks({"a": 0.0, "b": 0.0}, report=False, kv_wait_s=50.0, generating_token_s=1e6)  # since start-up
+    tr.step_started(t=0.0)
+    tr.micro_batch_ready("m", 8, t=4.0)
+    tr.micro_batch_consumed("m", t=4.0)
+    tr.rollout_waited(2.0)  # of the 10 s cycle, 8 s working
+    # 4 s of it with work waiting for KV; 2 ranks decoding 1,000 tokens of context each on average
+    tr.rollout_clocks({"a": 8.0, "b": 8.0}, kv_wait_s=54.0, generating_token_s=1e6 + 2 * 1000 * 8.0)
+    tr.step_finished(t=10.0)
+    s = tr.signals(ideal_batch=8, tau=1, t=10.0)
+    assert s.rollout_kv_bound == pytest.approx(0.5)
+    assert s.rollout_decode_context == pytest.approx(1000.0)
+    assert s.cycle_s == pytest.approx(10.0)
+    tr.step_started(t=10.0)
+    tr.rollout_clocks({"a": 9.0, "b": 9.0})  # without them: unknown, never the last cycle's
+    tr.step_finished(t=16.0)
+    s = tr.signals(ideal_batch=8, tau=1, t=16.0)
+    assert s.rollout_kv_bound is None and s.rollout_decode_context is None and s.cycle_s == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="kv_wait_s = -1"):
+        tr.rollout_clocks({"a": 1.0}, kv_wait_s=-1.0, generating_token_s=0.0)
+
+
 def test_the_first_cycle_counts_from_the_first_prompts_when_told():
     def first_rate(started):
         clock, tr = _tracker()

@@ -202,7 +202,10 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     # tide from every swept start ratio; the headline tide starts from the best fixed ratio's
     starts = report["tide_start_ratio_sweep"]
     assert sorted(r["rollout_ratio"] for r in starts.values()) == list(RATIOS)
-    assert starts[f"tide_r{systems['verl_async_fixed']['rollout_ratio']:.3g}"] == systems["tide"]
+    from_best = dict(starts[f"tide_r{systems['verl_async_fixed']['rollout_ratio']:.3g}"])
+    assert "advised_rollout_ratio" in from_best  # ERS's split advice from each start (None: none stood)
+    from_best.pop("advised_rollout_ratio")
+    assert from_best == systems["tide"]
     assert len({r["goodput_tok_s"] for r in starts.values()}) > 1  # the start ratio matters
     out_text = capsys.readouterr().out
     assert "goodput tok/s" in out_text and "tide by start ratio" in out_text
@@ -250,3 +253,25 @@ def test_tide_trains_ers_elastic_batch_when_b_min_is_below_b_ideal():
     assert len(counts) == w.steps and min(counts) < elastic.M and all(1 <= c <= elastic.M for c in counts)
     assert r.ledger["consumed_sequences"] == sum(counts) * elastic.mb_size
     _trajectory_conservation(elastic)
+
+
+def test_split_advice_from_a_rollout_starved_start_and_none_where_more_rollout_makes_nothing():
+    """ERS cannot move the Actor's GPUs, so a job started with too few rollout GPUs stays starved; its split advice
+    names the split. WebShop at 32 GPUs: tide from 0.125 makes a third of tide from 0.375 (the best fixed ratio)."""
+    w = replace(load_workload("webshop"), steps=6)
+    starved = Simulation(w, 32, replace(TIDE, rollout_ratio=0.125)).run()
+    best = Simulation(w, 32, replace(TIDE, rollout_ratio=0.375)).run()
+    assert starved.goodput_tok_s < 0.5 * best.goodput_tok_s
+    advice = starved.split_advice
+    assert advice is not None and 8 <= advice.rollout_gpus <= 16, advice  # within one sweep step of 12
+    assert advice.now_rollout_gpus == 4 and advice.predicted_gain > 0.5
+    assert best.split_advice is None
+    # Environment-bound (15 s per observation, a small model): the trainer waits at every split and goodput is the
+    # same at all of them; the rollout's ranks are busy but not saturated, and nothing is advised.
+    base = load_workload(TINY)
+    w = replace(base, steps=8, env_latency_s=replace(base.env_latency_s, mean=15.0, max=60),
+                eval=replace(base.eval, groups=0, at_start=False, every_steps=0))
+    runs = [Simulation(w, 16, replace(TIDE, rollout_ratio=r)).run() for r in (0.125, 0.5)]
+    assert runs[0].twt_s > 0.2 * runs[0].makespan_s
+    assert runs[1].goodput_tok_s < 1.05 * runs[0].goodput_tok_s
+    assert all(r.split_advice is None for r in runs)

@@ -93,6 +93,11 @@ def test_every_turn_went_through_ctb_and_signals_are_reported(tide_run):
         assert 0 < steps[n]["tide/readiness/rollout_utilization"] <= 1  # the router's busy time, over working time
         # RWT: the sync and the rollout out of work (verl refills one batch per step); the trainer is the bottleneck
         assert steps[n]["tide/readiness/rwt_s"] > steps[n]["tide/readiness/twt_s"]
+        # the split advice's signals from the router: the context of the turns in flight (the decode load), the
+        # share of the time work waited for KV; and no advice (the trainer, not the rollout, is the bottleneck)
+        assert steps[n]["tide/rollout/decode_context_tokens"] > 0
+        assert 0 <= steps[n]["tide/rollout/kv_bound"] <= 1
+        assert steps[n]["tide/ers/advised_rollout_gpus"] == 1
     assert "Prometheus metrics at http://127.0.0.1:" in tide_run.output
     assert len(re.findall(r"verl-tide step \d+: ERS plan: ", tide_run.output)) == STEPS
 

@@ -146,3 +146,49 @@ def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
     assert metrics["tide/ra2p/predicted_decoupled_s"] == pytest.approx(decoupled_cost(as_trained, times, 1))
     per_group = trainer.readiness.last_ready_times
     assert colocated_cost(per_group, times, 8) != pytest.approx(colocated_cost(as_trained, times, 8))
+
+
+def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys):
+    """Trainer `tide` counts rollout GPUs in whole replicas, the trainer's (and Ref ranks') GPUs beside them, reads
+    the model's weights-to-KV ratio from its Hugging Face config, and says the standing advice once."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from verl_tide.ers.advice import SplitAdvisor
+    from verl_tide.ers.policy import Role
+    from verl_tide.readiness import ReadinessSignals
+    from verl_tide.trainer import TideTrainer
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}))
+    trainer = TideTrainer.__new__(TideTrainer)
+    trainer.config = OmegaConf.create({
+        "actor_rollout_ref": {"rollout": {"nnodes": 1, "n_gpus_per_node": 4}, "model": {"path": str(tmp_path)}},
+        "trainer": {"nnodes": 1, "n_gpus_per_node": 12, "test_freq": 0}})
+    trainer.rollout_roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT}  # 2 replicas of 2 GPUs
+    trainer.quarantined = {}
+    trainer.tide_config = SimpleNamespace(ra2p=SimpleNamespace(ref_ranks=0),
+                                          ers=SimpleNamespace(split_advice_kv_bound=0.5))
+    trainer.ers = SimpleNamespace(ideal_batch=400)
+    trainer.split_advisor, trainer._eval_in_cycle, trainer._weight_kv_tokens = SplitAdvisor(), False, None
+    trainer.overlapped_eval, trainer.global_steps, trainer.total_training_steps = None, 3, 10
+    # decode-bound (no work waited for KV; 400k tokens of context in flight per replica, the weights ~266k)
+    signals = ReadinessSignals(0, None, None, 0.0, 0, 40.0, True, False, 0.0, 60.0, rollout_capacity_rate=4.0,
+                               rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0)
+    first = trainer._split_advice(signals)
+    assert first["tide/ers/advised_rollout_gpus"] == 4.0  # one cycle does not stand
+    assert first["tide/rollout/kv_bound"] == 0.0 and first["tide/rollout/decode_context_tokens"] == 400_000.0
+    assert trainer._weight_kv_tokens == pytest.approx(265_600.0)
+    second = trainer._split_advice(signals)
+    # 1 seq/s per rollout GPU, 400 / 40 s / 12 = 0.833 per trainer GPU: 7 of 16 balance, 8 in whole replicas
+    assert second["tide/ers/advised_rollout_gpus"] == 8.0
+    trainer._split_advice(signals)
+    assert capsys.readouterr().out.count("ERS split advice") == 1  # said when it changes
+    light = dataclasses.replace(signals, rollout_decode_context=100_000.0)  # the weights dominate: no estimate
+    for _ in range(3):
+        last = trainer._split_advice(light)
+    assert last["tide/ers/advised_rollout_gpus"] == 4.0

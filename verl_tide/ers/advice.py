@@ -103,12 +103,12 @@ def advise_split(signals: ReadinessSignals, rollout_gpus: int, trainer_gpus: int
 
 @dataclass
 class SplitAdvisor:
-    """Advice stands once `confirm` of the last `window` training cycles gave one (a cold start's empty buffer, one
-    noisy cycle, a trainer that alternates a starved and a buffered step, do not decide it); `standing` is the
-    latest advice given while it stands."""
+    """Advice stands while `confirm` of the last `window` training cycles gave one: one noisy cycle or a cold start's
+    empty buffer does not decide it, and a trainer that alternates a starved step with one from buffered data (the
+    simulator's ALFWorld from 0.25) keeps it. `standing` is the latest advice given while it stands."""
 
     confirm: int = 2
-    window: int = 3
+    window: int = 4
     standing: Optional[SplitAdvice] = None
     _recent: list[Optional[SplitAdvice]] = field(default_factory=list)
 

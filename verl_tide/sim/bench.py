@@ -117,7 +117,8 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in results.items()},
         "fixed_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
                               for name, r in {**sweep, **stream}.items()},
-        "tide_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
+        "tide_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
+                                          "advised_rollout_ratio": r.split_advice and round(r.split_advice.rollout_ratio, 4)}
                                    for name, r in tide_starts.items()},
         "oracle_goodput_tok_s": round(oracle, 1),
         "tide_steps": results["tide"].steps,
@@ -156,8 +157,11 @@ def format_table(report: dict) -> str:
                      f"{elastic['consumed_tokens']:,} tokens against tide's {elastic['tide_consumed_tokens']:,}")
     starts = report.get("tide_start_ratio_sweep", {})
     if starts:
-        lines.append("tide by start ratio (ERS moves rollout<->Ref only; a rollout-starved start stays so): " + ", ".join(
-            f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" for row in starts.values()))
+        lines.append("tide by start ratio (ERS moves rollout<->Ref only; a rollout-starved start stays so, and ERS's "
+                     "split advice names a start): " + ", ".join(
+                         f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" + (
+                             f" (advice {row['advised_rollout_ratio']:.3g})" if row.get("advised_rollout_ratio") else "")
+                         for row in starts.values()))
     return "\n".join(lines)
 
 
