@@ -126,6 +126,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
     metrics.update_hit_rates({"0": 0.5})
     metrics.update_from_eval({"tide/eval/overlapped_s": 2.5, "tide/eval/trainer_wait_s": 0.5, "val-core/x": 1.0})
     metrics.update_from_ra2p("split", 0.5, {"tide/ra2p/predicted_split_s": 1.0})
+    metrics.update_split_advice(4, None)
     served = set(re.findall(r"^# TYPE (\S+)", generate_latest(metrics.registry).decode(), re.M))
     served |= {f"{name}_total" for name in served}  # counters are queried with their _total suffix
     assert queried and queried <= served, queried - served

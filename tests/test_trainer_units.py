@@ -156,9 +156,11 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
+    from prometheus_client import generate_latest
 
     from verl_tide.ers.advice import SplitAdvisor
     from verl_tide.ers.policy import Role
+    from verl_tide.metrics import TideMetrics
     from verl_tide.readiness import ReadinessSignals
     from verl_tide.trainer import TideTrainer
 
@@ -176,6 +178,7 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     trainer.ers = SimpleNamespace(ideal_batch=400)
     trainer.split_advisor, trainer._eval_in_cycle, trainer._weight_kv_tokens = SplitAdvisor(), False, None
     trainer.overlapped_eval, trainer.global_steps, trainer.total_training_steps = None, 3, 10
+    trainer.tide_metrics = TideMetrics()
     # decode-bound (no work waited for KV; 400k tokens of context in flight per replica, the weights ~266k)
     signals = ReadinessSignals(0, None, None, 0.0, 0, 40.0, True, False, 0.0, 60.0, rollout_capacity_rate=4.0,
                                rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0)
@@ -188,6 +191,9 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     assert second["tide/ers/advised_rollout_gpus"] == 8.0
     trainer._split_advice(signals)
     assert capsys.readouterr().out.count("ERS split advice") == 1  # said when it changes
+    body = generate_latest(trainer.tide_metrics.registry).decode()
+    assert 'tide_ers_split_advice{quantity="advised_rollout_gpus"} 8.0' in body
+    assert 'tide_ers_split_advice{quantity="rollout_gpus"} 4.0' in body
     light = dataclasses.replace(signals, rollout_decode_context=100_000.0)  # the weights dominate: no estimate
     for _ in range(3):
         last = trainer._split_advice(light)

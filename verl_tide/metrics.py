@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from verl_tide.ctb.policy import CTBScheduler
+    from verl_tide.ers.advice import SplitAdvice
     from verl_tide.ers.policy import Role, ScalingPlan
     from verl_tide.ledger import GoodputLedger
     from verl_tide.readiness import ReadinessSignals
@@ -109,6 +110,9 @@ class TideMetrics:
         self.ra2p = Gauge("tide_ra2p", "RA2P for the next step: the replicas' share of a Ref pass (split mode) and "
                           "the cost model's predicted step times per mode", ["quantity"], registry=r)
         self.ra2p_mode = Gauge("tide_ra2p_mode_info", "The mode the next step runs in (value 1)", ["mode"], registry=r)
+        self.split_advice = Gauge("tide_ers_split_advice", "ERS's split advice: rollout GPUs now and advised (the same "
+                                  "when none stands), and the predicted gain in sequences per second", ["quantity"],
+                                  registry=r)
         self.ledger = Gauge("tide_goodput_ledger", "Goodput ledger: groups, samples and tokens by outcome; "
                             "goodput_tok_s", ["quantity"], registry=r)
 
@@ -167,6 +171,12 @@ class TideMetrics:
                             ("rollout_decode_context_tokens", signals.rollout_decode_context)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
+
+    def update_split_advice(self, rollout_gpus: int, advice: Optional[SplitAdvice]) -> None:
+        """The standing split advice (`ers.advice.SplitAdvisor.standing`), or none: advised = now, gain 0."""
+        self.split_advice.labels(quantity="rollout_gpus").set(rollout_gpus)
+        self.split_advice.labels(quantity="advised_rollout_gpus").set(advice.rollout_gpus if advice else rollout_gpus)
+        self.split_advice.labels(quantity="predicted_gain").set(advice.predicted_gain if advice else 0.0)
 
     def update_from_ra2p(self, mode: str, ref_share: float, step_metrics: Mapping[str, float]) -> None:
         """The next step's RA2P mode, split mode's share, and the predictions (`tide/ra2p/predicted_*_s`)."""

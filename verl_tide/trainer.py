@@ -969,6 +969,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._eval_in_cycle = self._ers_phase() is Phase.EVAL
         standing = self.split_advisor.standing
         m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
+        if self.tide_metrics is not None:
+            self.tide_metrics.update_split_advice(now_rollout, standing)
         return m
 
     def _model_weight_kv_tokens(self) -> float:
