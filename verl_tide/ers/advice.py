@@ -2,14 +2,15 @@
 
 Pure Python. ERS moves ranks between rollout and Ref at the sync boundary; it cannot move the Actor's
 data-parallel ranks (verl's FSDP group is fixed for the job), so a job started with too few rollout GPUs
-stays rollout-starved: in the simulator, tide from one sweep step below the best split lost up to 57%
+stays rollout-starved: in the simulator, tide from one sweep step below the best split lost up to 59%
 (docs/simulator-calibration.md). What ERS can do is say so, with a number, from the same readiness
-signals: the split at which the rollout's measured rate per GPU meets the trainer's.
+signals: the split where the slower of the rollout's and the trainer's measured rates is fastest.
 
-Advice is given only when the rollout was saturated: work waited for KV budget for most of its working
-time (`ReadinessSignals.rollout_kv_bound`). A rank with a request in flight is not a saturated rank: on an
-environment-bound workload every rank is busy and the trainer still waits, and more rollout GPUs make
-nothing more (the reason a version without this condition was not shipped).
+Advice is given only when the rollout was saturated: work waited for KV budget for much of its working
+time (`ReadinessSignals.rollout_kv_bound`), or decode was bound by the context it reads
+(`ReadinessSignals.rollout_decode_context` above the model's weights). A rank with a request in flight is
+not a saturated rank: on an environment-bound workload every rank is busy and the trainer still waits, and
+more rollout GPUs make nothing more (the reason a version from busy time alone was not shipped).
 """
 
 from __future__ import annotations
