@@ -143,7 +143,7 @@ def test_tide_runs_the_production_policies():
 
 def test_sync_waits_at_the_barrier_and_trainer_never_waits():
     r = Simulation(load_workload(TINY), 8, SystemSpec("verl_sync", sync=True)).run()
-    assert r.rwt_s > 0 and r.twt_s == 0
+    assert r.rwt_s > 0 and r.twt_s == 0 and r.twt_ref_idle_s == 0
     step_starts = [s["start_s"] for s in r.steps]
     assert step_starts == sorted(step_starts)
 
@@ -176,6 +176,8 @@ def test_ers_moves_ranks_to_ref_when_the_trainer_is_the_bottleneck_and_never_fla
                 assert i - last[rank][0] >= sim.ers_cfg.cooldown_steps, (rank, last[rank], i, dst)
             last[rank] = (i, dst)
     assert last  # some rank did move
+    # a lent Ref rank idles while the Actor computes: part of TWT, reported apart
+    assert 0 < r.twt_ref_idle_s < r.twt_s
     # one Ref rank beside 4 Actor ranks is too few for decoupled mode: it takes a share of the Ref passes (split)
     assert any(s["mode"] == "split" and s["ref_ranks"] == 1 for s in r.steps), [(s["mode"], s["ref_ranks"])
                                                                                  for s in r.steps]

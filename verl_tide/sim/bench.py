@@ -150,6 +150,9 @@ def format_table(report: dict) -> str:
     lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
                  f"RWT+TWT vs best fixed: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
                  f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
+    if tide_row.get("twt_ref_idle_s"):
+        lines.append(f"tide's TWT includes {tide_row['twt_ref_idle_s']:.0f} s of Ref ranks ERS lent idle beside the "
+                     "Actor's passes (no data wait; counted as TWT)")
     elastic = report.get("tide_min_batch")
     if elastic:
         lines.append(f"tide_min_batch: tide.ers.min_batch = {elastic['min_batch']} of B_ideal {elastic['ideal_batch']} "

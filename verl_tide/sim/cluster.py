@@ -129,11 +129,12 @@ class Result:
     ledger: dict
     steps: list
     split_advice: Optional[SplitAdvice] = None  # ERS's last standing split advice (tide), None if none stood
+    twt_ref_idle_s: float = 0.0  # of twt_s: Ref ranks idle beside the Actor's passes, not waiting for data
 
     def row(self) -> dict:
         return {"goodput_tok_s": round(self.goodput_tok_s, 1), "rwt_s": round(self.rwt_s, 1),
-                "twt_s": round(self.twt_s, 1), "kv_hit_rate": round(self.kv_hit_rate, 4),
-                "step_time_s": round(self.step_time_s, 2)}
+                "twt_s": round(self.twt_s, 1), "twt_ref_idle_s": round(self.twt_ref_idle_s, 1),
+                "kv_hit_rate": round(self.kv_hit_rate, 4), "step_time_s": round(self.step_time_s, 2)}
 
 
 class Simulation:
@@ -160,6 +161,7 @@ class Simulation:
         self.eval_pending: list[Group] = []
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
+        self.ref_idle_gpu_s = 0.0  # part of TWT: lent Ref ranks idle while the Actor computes (no data wait)
         self.ledger = {"consumed_tokens": 0, "consumed_sequences": 0, "eval_tokens": 0, "dropped_failed_tokens": 0,
                        "dropped_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
         # roles
@@ -456,7 +458,10 @@ class Simulation:
         self.tracker.trainer_waited(actor_wait)
         if self.ref_ranks:  # Ref ranks idle unless decoupled or split mode feeds them
             ref_busy = len(mbs) * (times.t_ref if decoupled else share * ref_ranks_t_ref)
-            self.twt_gpu_s += len(self.ref_ranks) * max(0.0, end - wait_from - ref_busy)
+            ref_idle = max(0.0, end - wait_from - ref_busy)
+            self.twt_gpu_s += len(self.ref_ranks) * ref_idle
+            # of which not waiting for data (the Actor did not either): idle beside the Actor's passes
+            self.ref_idle_gpu_s += len(self.ref_ranks) * max(0.0, ref_idle - actor_wait)
         self.ledger["consumed_tokens"] += tokens
         self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
         self.consumed_steps += 1
@@ -652,7 +657,8 @@ class Simulation:
             twt_s=self.twt_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
             step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
             consumed_tokens=self.ledger["consumed_tokens"], ledger=dict(self.ledger),
-            steps=[vars(s) for s in self.step_records], split_advice=self.split_advice)
+            steps=[vars(s) for s in self.step_records], split_advice=self.split_advice,
+            twt_ref_idle_s=self.ref_idle_gpu_s / self.gpus)
 
     def _all_ranks_seen(self) -> list[RolloutRank]:
         return [*self.ranks.values(), *self._retired]
