@@ -245,8 +245,9 @@ class CTBLoadBalancer:
         """`busy_seconds`, `idle_rank_seconds`, `kv_wait_seconds` and the time integral of the context of the
         turns in flight (token-seconds: the decode load; CTB's `generating_tokens`) in one read (one Ray call
         per step boundary)."""
-        return {"busy_s": self.busy_seconds(), "idle_rank_s": self.idle_rank_seconds(),
-                "kv_wait_s": self.kv_wait_seconds(), "generating_token_s": self._generating_token_s}
+        self._account_clocks()  # every clock closed at the same instant
+        return {"busy_s": self.busy_seconds(), "idle_rank_s": self._idle_rank_s, "kv_wait_s": self._kv_wait_s,
+                "generating_token_s": self._generating_token_s}
 
     def clear_sticky_cache(self) -> dict:
         # After a weight sync every prefix cache is invalid anyway; CTB's budgets still describe
