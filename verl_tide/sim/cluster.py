@@ -55,6 +55,9 @@ class SystemSpec:
     eval_blocks_trainer: bool = True
     elastic: bool = False  # ERS
     hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
+    # What-if, not in trainer tide: the trainer's GPUs roll out (verl's hybrid replicas) from job start until the
+    # first step can start (the paper's preemptive allocation on cold start, extended to the Actor's GPUs)
+    cold_start_lend: bool = False
     micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
     max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)
 
@@ -414,14 +417,16 @@ class Simulation:
         if len(step["mbs"]) == self._step_M:
             self._finish_step(step)
 
-    def _hybrid(self, wake: bool) -> None:
+    def _hybrid(self, wake: bool, switch_s: Optional[float] = None) -> None:
         """verl separate_async's hybrid replicas: the trainer's GPUs roll out while it waits for data; when the
-        batch is ready their requests are aborted and re-routed (fresh prefill elsewhere)."""
+        batch is ready their requests are aborted and re-routed (fresh prefill elsewhere). `switch_s`: the
+        switch to rollout (none at job start: verl's hybrid engine comes up in rollout mode)."""
         hybrid_ranks = range(self.gpus - self.actor_ranks, self.gpus)
         if wake:
+            switch = self.costs.switch_s if switch_s is None else switch_s
             for r in hybrid_ranks:
-                self._add_rank(r, self.t + self.costs.switch_s, colocated=True)
-            self._hybrid_since = self.t + self.costs.switch_s
+                self._add_rank(r, self.t + switch, colocated=True)
+            self._hybrid_since = self.t + switch
         else:
             for r in hybrid_ranks:
                 self._remove_rank(r)
@@ -593,6 +598,8 @@ class Simulation:
         if not self.spec.sync:
             if self.w.is_eval_step(0):
                 self._release_eval()
+            if self.spec.cold_start_lend or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
+                self._hybrid(wake=True, switch_s=0.0)
             self._release_train_groups()
             self.tracker.rollout_started(t=self.t)
         while self.consumed_steps < self.w.steps:
