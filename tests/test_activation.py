@@ -95,6 +95,47 @@ def test_bad_values_fail_in_the_driver_before_ray_starts(tmp_path):
     assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
 
 
+def test_a_layout_tide_cannot_run_fails_in_the_driver_before_ray_starts(tmp_path):
+    """verl's defaults colocate rollout with the trainer (no rollout ranks, the in-process `naive` weight sync):
+    trainer tide refuses them, naming the keys, from the Hydra callback, not after a cluster start-up."""
+    proc = _main_ppo(["+tide=enabled", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+                     tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for expected in ("actor_rollout_ref.rollout.nnodes = 0, n_gpus_per_node = 8: trainer tide runs rollout on its own",
+                     "checkpoint_engine.backend = naive", "tide_shm",
+                     "data.train_batch_size = 6: must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size = 4"):
+        assert expected in out, out[-3000:]
+    assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
+    # the same job under another trainer mode is not tide's to refuse
+    ok = _main_ppo(["+tide=enabled", "trainer.v1.trainer_mode=sync", "--cfg", "job"], tmp_path)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+
+
+def test_check_layout_accepts_separate_rollout_and_names_each_problem():
+    """The check the callback runs in the driver, and trainer `tide` again when it is built (a job that selects
+    the trainer without the callback)."""
+    from omegaconf import OmegaConf
+
+    from verl_tide.config import TideConfigError
+    from verl_tide.job_config import check_layout
+
+    def layout(nnodes=1, backend="nccl", tb=8, mb=4, sampler=None):
+        return OmegaConf.create({
+            "actor_rollout_ref": {"rollout": {"nnodes": nnodes, "n_gpus_per_node": 8,
+                                              "checkpoint_engine": {"backend": backend}},
+                                  "actor": {"ppo_mini_batch_size": mb}},
+            "data": {"train_batch_size": tb}, "trainer": {"v1": {"sampler": {"custom_sampler": sampler}}}})
+
+    check_layout(layout())
+    check_layout(layout(backend="tide_shm", sampler={"path": None}))
+    with pytest.raises(TideConfigError, match="custom_sampler: trainer tide owns the replay buffer"):
+        check_layout(layout(sampler={"path": "my_sampler.py", "name": "S"}))
+    with pytest.raises(TideConfigError, match=r"\(3 problem") as e:
+        check_layout(layout(nnodes=0, backend="naive", tb=6))
+    assert "rollout.nnodes = 0" in str(e.value) and "backend = naive" in str(e.value)
+
+
 def test_unknown_tide_key_is_rejected_with_allowed_keys(tmp_path):
     proc = _main_ppo(["+tide=enabled", "+tide.ctb.headroom=0.5"], tmp_path)
     out = proc.stdout + proc.stderr

@@ -426,17 +426,6 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
-def test_tide_refuses_a_colocated_layout_and_names_the_keys(job, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tide_bad_layout")
-    single = GRPOJob(**{**job.__dict__, "n_gpus": 1, "ppo_mini_batch_size": None})
-    run = run_main_ppo([*grpo_overrides(single), "+tide=enabled"], cwd=work, log_path=work / "main_ppo.log",
-                       timeout_s=600)
-    assert run.returncode != 0
-    assert "actor_rollout_ref.rollout.nnodes = 0" in run.output, run.output[-4000:]
-    assert "checkpoint_engine.backend = naive" in run.output and "tide_shm" in run.output
-    assert "step:1" not in run.output  # no silent fallback to another trainer's loop
-
-
 def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_factory):
     """With verl's Ref, the KL loss and the colocated hand-off: Ref passes score up to 4 groups ahead, so
     samples scored before the checkpoint may be trained after it; their rows lived in the first job's

@@ -34,3 +34,27 @@ def tide_config_from_job(config: DictConfig) -> TideConfig:
     except Exception as e:  # an interpolation inside tide: that does not resolve
         raise TideConfigError([f"tide = <unresolvable>: {e}"]) from e
     return parse_tide_config(container)
+
+
+def check_layout(config: DictConfig) -> None:
+    """Refuse job layouts trainer `tide` cannot run, naming the key and what it accepts."""
+    problems = []
+    rollout = config.actor_rollout_ref.rollout
+    if int(rollout.nnodes or 0) < 1 or int(rollout.n_gpus_per_node or 0) < 1:
+        problems.append(
+            f"actor_rollout_ref.rollout.nnodes = {rollout.nnodes}, n_gpus_per_node = {rollout.n_gpus_per_node}: "
+            "trainer tide runs rollout on its own ranks; set both >= 1")
+    if rollout.checkpoint_engine.backend == "naive":
+        problems.append(
+            "actor_rollout_ref.rollout.checkpoint_engine.backend = naive: rollout ranks are separate from the "
+            "trainer; use nccl | nixl | mooncake | hccl (GPU clusters) or tide_shm (one node, also CPU)")
+    tb, mb = int(config.data.train_batch_size), int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
+    if mb < 1 or tb % mb:
+        problems.append(f"data.train_batch_size = {tb}: must be a multiple of "
+                        f"actor_rollout_ref.actor.ppo_mini_batch_size = {mb}")
+    sampler = config.trainer.v1.sampler
+    custom = sampler.get("custom_sampler", None)
+    if custom is not None and custom.get("path"):
+        problems.append("trainer.v1.sampler.custom_sampler: trainer tide owns the replay buffer; leave it unset")
+    if problems:
+        raise TideConfigError(problems)

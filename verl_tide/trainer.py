@@ -57,7 +57,7 @@ from verl_tide.config import TideConfigError
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
-from verl_tide.job_config import TRAINER_MODE, tide_config_from_job
+from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
@@ -74,30 +74,6 @@ logger = logging.getLogger(__name__)
 
 class TideNotBuiltError(NotImplementedError):
     """Raised when a job asks for a part of trainer `tide` that does not exist yet."""
-
-
-def check_layout(config: DictConfig) -> None:
-    """Refuse job layouts trainer `tide` cannot run, naming the key and what it accepts."""
-    problems = []
-    rollout = config.actor_rollout_ref.rollout
-    if int(rollout.nnodes or 0) < 1 or int(rollout.n_gpus_per_node or 0) < 1:
-        problems.append(
-            f"actor_rollout_ref.rollout.nnodes = {rollout.nnodes}, n_gpus_per_node = {rollout.n_gpus_per_node}: "
-            "trainer tide runs rollout on its own ranks; set both >= 1")
-    if rollout.checkpoint_engine.backend == "naive":
-        problems.append(
-            "actor_rollout_ref.rollout.checkpoint_engine.backend = naive: rollout ranks are separate from the "
-            "trainer; use nccl | nixl | mooncake | hccl (GPU clusters) or tide_shm (one node, also CPU)")
-    tb, mb = int(config.data.train_batch_size), int(config.actor_rollout_ref.actor.ppo_mini_batch_size)
-    if mb < 1 or tb % mb:
-        problems.append(f"data.train_batch_size = {tb}: must be a multiple of "
-                        f"actor_rollout_ref.actor.ppo_mini_batch_size = {mb}")
-    sampler = config.trainer.v1.sampler
-    custom = sampler.get("custom_sampler", None)
-    if custom is not None and custom.get("path"):
-        problems.append("trainer.v1.sampler.custom_sampler: trainer tide owns the replay buffer; leave it unset")
-    if problems:
-        raise TideConfigError(problems)
 
 
 @register_trainer(TRAINER_MODE)
