@@ -271,3 +271,29 @@ def test_best_split_finds_the_grids_optimum_or_comes_close():
         assert grid - 1e-9 <= found <= grid * 1.05
         exact += found <= grid + 1e-9
     assert exact >= 490
+
+
+def _decoupled_item_by_item(ready_times, times: StageTimes, actor_ranks: int) -> float:
+    """The event form one micro-batch at a time (what `decoupled_cost` computed before it took bursts whole)."""
+    actor_free = ref_free = 0.0
+    for a in sorted(max(0.0, r) for r in ready_times):
+        ref_free = max(ref_free, a) + times.t_ref
+        actor_free = max(max(actor_free, a) + times.t_act_f, ref_free) + times.t_act_b
+    return sum(i * times.t_ref for i in range(actor_ranks)) + actor_free
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+_time = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
+
+
+@given(st.lists(st.tuples(st.integers(-2, 30), st.integers(1, 40)), max_size=12), _time, _time, _time,
+       st.integers(1, 4))
+def test_decoupled_cost_takes_a_burst_of_equal_ready_times_whole_and_equals_the_event_loop(
+        bursts, t_ref, t_act_f, t_act_b, actor_ranks):
+    """Bursts of equal ready times (trainer tide's groups of one mini-batch), some before the step's start, with
+    Ref slower or faster than the Actor: the closed form per burst gives the item-by-item event loop's time."""
+    times = StageTimes(t_ref=t_ref, t_act_f=t_act_f, t_act_b=t_act_b, t_swap=1.0)
+    ready = [0.5 * at for at, k in bursts for _ in range(k)]
+    expected = _decoupled_item_by_item(ready, times, actor_ranks)
+    assert decoupled_cost(ready, times, actor_ranks) == pytest.approx(expected, rel=1e-9, abs=1e-9)

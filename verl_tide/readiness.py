@@ -58,7 +58,11 @@ def mini_batch_ready_times(ready_times: Sequence[float], per_mini_batch: int) ->
     if per_mini_batch < 1:
         raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
     times = sorted(ready_times)
-    return [times[min(len(times), (i // per_mini_batch + 1) * per_mini_batch) - 1] for i in range(len(times))]
+    out: list[float] = []
+    for end in range(per_mini_batch, len(times) + per_mini_batch, per_mini_batch):  # one C-level repeat a unit
+        last = min(end, len(times))
+        out += [times[last - 1]] * (last - end + per_mini_batch)
+    return out
 
 
 @dataclass(frozen=True)

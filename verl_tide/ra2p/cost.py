@@ -57,14 +57,33 @@ def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks:
     serves micro-batches in arrival order."""
     if actor_ranks < 1:
         raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
-    fill = sum(i * times.t_ref for i in range(actor_ranks))
+    return sum(i * times.t_ref for i in range(actor_ranks)) + _decoupled_clock(_arrivals(ready_times), times)
+
+
+def _decoupled_clock(arrivals: list[float], times: StageTimes) -> float:
+    """The event form over sorted arrivals, one burst of equal ready times at a time (trainer `tide` gives a
+    mini-batch's groups one ready time, so ERS weighs hundreds of groups per plan as tens of bursts). Within
+    a burst of k at time a, with R = max(Ref free, a): the Ref serves them back to back (the i-th done at
+    R + i t_ref), and the Actor's i-th backward ends at f_i = max(f_{i-1} + t_act_f + t_act_b, R + i t_ref +
+    t_act_b) from the second on; unrolled, that maximum is at its ends: f_k = max(f_1 + (k-1)(t_act_f +
+    t_act_b), R + k t_ref + t_act_b). Equal to the item-by-item loop (tests/test_ra2p_cost.py)."""
     t_ref, t_act_f, t_act_b = times.t_ref, times.t_act_f, times.t_act_b
+    per_item = t_act_f + t_act_b
     actor_free = ref_free = 0.0
-    for a in _arrivals(ready_times):  # conditionals, not max(): ERS runs this over hundreds of groups per plan
-        ref_free = (ref_free if ref_free > a else a) + t_ref
+    i, n = 0, len(arrivals)
+    while i < n:  # conditionals, not max(): ERS runs this many times per plan
+        a = arrivals[i]
+        j = bisect_right(arrivals, a, lo=i)
+        first_ref = (ref_free if ref_free > a else a)
         start = (actor_free if actor_free > a else a) + t_act_f
-        actor_free = (start if start > ref_free else ref_free) + t_act_b
-    return fill + actor_free
+        done = first_ref + t_ref
+        actor_free = (start if start > done else done) + t_act_b
+        ref_free = first_ref + (j - i) * t_ref
+        if j - i > 1:
+            chain, last = actor_free + (j - i - 1) * per_item, ref_free + t_act_b
+            actor_free = chain if chain > last else last
+        i = j
+    return actor_free
 
 
 def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int) -> float:
@@ -264,10 +283,17 @@ def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTime
     last is partial), so a step of hundreds of groups weighs tens of candidates, not hundreds."""
     if per_mini_batch < 1:
         raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
+    _check_aggregate(max_aggregate)
+    if actor_ranks < 1:
+        raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
+    fill = sum(i * times.t_ref for i in range(actor_ranks))
     candidates = list(range(0, n_micro_batches, per_mini_batch)) + [n_micro_batches]
+    # Every candidate's later arrivals are a prefix of the first's (n0 is whole mini-batches); built sorted
+    # and >= 0, so the clocks take them directly (no re-sort per candidate)
+    later = [tprm * per_mini_batch * (k // per_mini_batch + 1) for k in range(n_micro_batches)]
     for n0 in candidates:
-        ready = [0.0] * n0 + [tprm * per_mini_batch * (k // per_mini_batch + 1) for k in range(n_micro_batches - n0)]
-        if decoupled_cost(ready, times, actor_ranks) <= colocated_cost(ready, times, max_aggregate):
+        ready = [0.0] * n0 + later[:n_micro_batches - n0]
+        if fill + _decoupled_clock(ready, times) <= _colocated_clock(ready, times, max_aggregate):
             return n0
     return None
 
@@ -291,7 +317,7 @@ class _CostsByRefRanks:
             return self.colocated
         if ref_ranks not in self._cost:
             t = self.times_with_ref_ranks(ref_ranks)
-            best = min(self.colocated, decoupled_cost(self.arrivals, t, actor_ranks=1))
+            best = min(self.colocated, _decoupled_clock(self.arrivals, t))  # one Actor rank group: no fill
             if self.split:
                 best = min(best, best_split(self.arrivals, self.colocated_times, t.t_ref, self.max_aggregate)[1])
             self._cost[ref_ranks] = best
