@@ -278,22 +278,6 @@ def test_split_mode_scores_shares_of_each_ref_pass_on_verls_ref_and_a_replica(jo
     assert "tide/ra2p/predicted_split_s" in last, last
 
 
-def test_decoupled_mode_defers_the_kl_term_to_the_actors_backward(job, tmp_path_factory):
-    """tide.ra2p.mode=decoupled: Ref starts on its own rank when a mini-batch is sampled; the Actor's installed
-    deferred-KL loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without
-    ref log-probs and its backward picks them up from the Ref service by sample id (and reports the KL value):
-    every sample put there was served to a backward, none is left behind."""
-    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "decoupled")
-    assert "deferred KL: the Actor's forward does not wait for Ref" in run.output
-    for n in steps:
-        m = steps[n]
-        if n > 1:  # the counters are cumulative
-            assert m["tide/ra2p/ref_service_put"] - steps[n - 1]["tide/ra2p/ref_service_put"] == samples_per_step
-        # every micro-batch's backward fetched its rows (each sample once per PPO epoch), none left behind
-        assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
-        assert m["tide/ra2p/ref_service_held"] == 0
-
-
 def test_ers_lends_a_rollout_rank_to_ref_and_takes_it_back_for_evaluation(job, tmp_path_factory):
     """Two elastic rollout ranks and one fixed Ref rank, KL deferred to the Actor's backward. At step 1's
     post-update boundary ERS keeps tide.ers.min_ref_ranks=1: rank 1 leaves CTB (its in-flight turns re-sent to
@@ -352,7 +336,15 @@ def _check_ers_run(run, kl_job):
     assert third["tide/ers/moves_applied"] == 0
     assert third["tide/eval/model_step"] == 2  # the evaluation ran while rank 1 was back in rollout
     assert abs(first["actor/kl_loss"]) < 1e-6 and third["actor/kl_loss"] > 1e-4
-    for m in steps.values():
+    # Decoupled mode: Ref starts on its ranks when a mini-batch is sampled; the Actor's installed deferred-KL
+    # loss (equal to verl's ppo_loss + KL, tests/test_ra2p_loss_fsdp.py) builds its forward without ref
+    # log-probs and its backward picks them up from the Ref service by sample id: every sample put there (once
+    # a step, by one replica or the other) was served to a backward, none is left behind.
+    assert "deferred KL: the Actor's forward does not wait for Ref" in run.output
+    samples_per_step = kl_job.train_batch_size * kl_job.rollout_n
+    for n, m in steps.items():
+        put_before = steps[n - 1]["tide/ra2p/ref_service_put"] if n > 1 else 0  # the counters are cumulative
+        assert m["tide/ra2p/ref_service_put"] - put_before == samples_per_step, m
         assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
         assert m["tide/ra2p/ref_service_held"] == 0
     assert third["tide/ledger/groups_dropped_failed"] == 0
