@@ -302,3 +302,15 @@ def test_split_advice_from_a_rollout_starved_start_and_none_where_more_rollout_m
     assert runs[0].twt_s > 0.2 * runs[0].makespan_s
     assert runs[1].goodput_tok_s < 1.05 * runs[0].goodput_tok_s
     assert all(r.split_advice is None for r in runs)
+
+
+def test_a_weight_sync_shorter_than_a_tick_keeps_every_step_after_its_boundary():
+    """A small model on a fast interconnect syncs in less than the simulator's tick: the next step must still
+    start after the last one's post-update boundary (it used to open first and its boundary then closed it)."""
+    hw = replace(Hardware(), sync_gb_s=1e6, sync_overhead_s=0.0)
+    sim = Simulation(replace(load_workload(TINY), steps=8), 8, replace(TIDE, rollout_ratio=0.75), hw=hw, seed=3)
+    assert sim.costs.sync_s < sim.dt
+    r = sim.run()
+    assert len(r.steps) == sim.w.steps
+    assert all(b["start_s"] >= a["end_s"] for a, b in zip(r.steps, r.steps[1:]))
+    _trajectory_conservation(sim)

@@ -391,6 +391,8 @@ class Simulation:
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
             return
+        if self._post_update is not None:  # the last step's boundary first (a sync shorter than a tick)
+            return
         if self.step_open is None:
             need = self.M if self.spec.consume == "global" else 1
             eval_blocked = self.spec.eval_blocks_trainer and any(
