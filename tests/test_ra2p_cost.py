@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from verl_tide.ra2p.cost import (
     RA2PMode,
@@ -280,9 +282,6 @@ def _decoupled_item_by_item(ready_times, times: StageTimes, actor_ranks: int) ->
         ref_free = max(ref_free, a) + times.t_ref
         actor_free = max(max(actor_free, a) + times.t_act_f, ref_free) + times.t_act_b
     return sum(i * times.t_ref for i in range(actor_ranks)) + actor_free
-
-
-from hypothesis import given, strategies as st  # noqa: E402
 
 _time = st.floats(min_value=0.0, max_value=5.0, allow_nan=False)
 

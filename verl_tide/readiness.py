@@ -59,9 +59,9 @@ def mini_batch_ready_times(ready_times: Sequence[float], per_mini_batch: int) ->
         raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
     times = sorted(ready_times)
     out: list[float] = []
-    for end in range(per_mini_batch, len(times) + per_mini_batch, per_mini_batch):  # one C-level repeat a unit
-        last = min(end, len(times))
-        out += [times[last - 1]] * (last - end + per_mini_batch)
+    for start in range(0, len(times), per_mini_batch):  # each unit's last time, repeated at C speed
+        stop = min(start + per_mini_batch, len(times))
+        out += [times[stop - 1]] * (stop - start)
     return out
 
 

@@ -55,9 +55,13 @@ def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks:
     followed the event form: each micro-batch starts at max(Actor free, its arrival); its forward
     needs no ref log-probs (deferred KL), its backward waits for them from the Ref rank, which
     serves micro-batches in arrival order."""
+    return _pipeline_fill(times, actor_ranks) + _decoupled_clock(_arrivals(ready_times), times)
+
+
+def _pipeline_fill(times: StageTimes, actor_ranks: int) -> float:
     if actor_ranks < 1:
         raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
-    return sum(i * times.t_ref for i in range(actor_ranks)) + _decoupled_clock(_arrivals(ready_times), times)
+    return sum(i * times.t_ref for i in range(actor_ranks))
 
 
 def _decoupled_clock(arrivals: list[float], times: StageTimes) -> float:
@@ -284,9 +288,7 @@ def decoupled_break_even_ras(n_micro_batches: int, tprm: float, times: StageTime
     if per_mini_batch < 1:
         raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
     _check_aggregate(max_aggregate)
-    if actor_ranks < 1:
-        raise ValueError(f"actor_ranks = {actor_ranks}: must be >= 1")
-    fill = sum(i * times.t_ref for i in range(actor_ranks))
+    fill = _pipeline_fill(times, actor_ranks)
     candidates = list(range(0, n_micro_batches, per_mini_batch)) + [n_micro_batches]
     # Every candidate's later arrivals are a prefix of the first's (n0 is whole mini-batches); built sorted
     # and >= 0, so the clocks take them directly (no re-sort per candidate)
