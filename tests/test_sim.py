@@ -240,8 +240,12 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     lend = report["what_if"]["tide_cold_start_lend"]
     assert lend["rollout_ratio"] == systems["tide"]["rollout_ratio"] and lend["goodput_tok_s"] > 0
     assert "tide_cold_start_lend" not in systems  # a what-if, not a system trainer tide runs
+    bound = report["what_if"]["tide_free_sync_lend"]  # the lend with a weight sync of zero seconds
+    assert bound["rollout_ratio"] == lend["rollout_ratio"]
+    assert bound["goodput_tok_s"] > lend["goodput_tok_s"]  # every step ends its sync sooner
     out_text = capsys.readouterr().out
     assert "goodput tok/s" in out_text and "tide by start ratio" in out_text and "what-if" in out_text
+    assert "bound, not a system" in out_text and "the most any system can make here" in out_text
 
 
 def test_bench_cli_rejects_bad_arguments(capsys):
@@ -336,3 +340,32 @@ def test_engine_model_meets_the_papers_single_instance_measurement():
     assert "CTB speed-up" in format_table3(report)
     with pytest.raises(ValueError, match="seeds"):
         check_table3(seeds=())
+
+
+def test_bench_ablation_adds_tides_components_one_at_a_time(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert cli_main(["bench", "--workload", TINY, "--gpus", "8", "--steps", "3", "--json", str(out), "--quiet",
+                     "--ablation"]) == 0
+    report = json.loads(out.read_text())
+    abl = report["ablation"]
+    rows = {r["system"]: r for r in abl["rows"]}
+    assert list(rows) == ["streamrl_fixed", "ablation_ra2p", "ablation_ra2p_ers", "ablation_tide"]
+    assert abl["start_ratio"] == report["systems"]["streamrl_fixed"]["rollout_ratio"]  # the baseline's own best
+    assert rows["streamrl_fixed"]["goodput_tok_s"] == report["systems"]["streamrl_fixed"]["goodput_tok_s"]
+    assert rows["streamrl_fixed"]["vs_baseline"] == 1.0
+    for r in rows.values():
+        assert r["vs_baseline"] == pytest.approx(r["goodput_tok_s"] / rows["streamrl_fixed"]["goodput_tok_s"],
+                                                 rel=1e-3)
+    # RA2P's aggregation replaces the swap per micro-batch: fewer swaps, so the trainer is faster
+    assert rows["ablation_ra2p"]["goodput_tok_s"] > rows["streamrl_fixed"]["goodput_tok_s"]
+    if abl["start_ratio"] == report["systems"]["tide"]["rollout_ratio"]:
+        assert {k: rows["ablation_tide"][k] for k in report["systems"]["tide"] if k != "rollout_ratio"} == {
+            k: v for k, v in report["systems"]["tide"].items() if k != "rollout_ratio"}
+    assert "+ RA2P" in capsys.readouterr().out
+    assert "ablation" not in json.loads(_bench_without_ablation(tmp_path))
+
+
+def _bench_without_ablation(tmp_path) -> str:
+    out = tmp_path / "plain.json"
+    assert cli_main(["bench", "--workload", TINY, "--gpus", "8", "--steps", "2", "--json", str(out), "--quiet"]) == 0
+    return out.read_text()

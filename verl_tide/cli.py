@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--min-batch", type=int, default=None, metavar="SEQUENCES",
                        help="also run tide with ERS's elastic batch, tide.ers.min_batch = SEQUENCES (1 to B_ideal), "
                             "as system tide_min_batch (steps train fewer sequences when little is ready)")
+    bench.add_argument("--ablation", action="store_true",
+                       help="also add RA2P, ERS and CTB one at a time to the best StreamRL-like system (paper Table 2)")
 
     args = parser.parse_args(argv)
     if args.group == "bench":
@@ -55,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--steps {args.steps}: must be >= 1")
         try:
             return run_bench(args.workload, args.gpus, args.json, args.plot, args.seed, args.steps, args.quiet,
-                             args.min_batch)
+                             args.min_batch, args.ablation)
         except (WorkloadError, BenchError) as e:
             parser.error(str(e))
     if args.group == "paths":

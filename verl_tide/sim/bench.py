@@ -30,6 +30,11 @@ from verl_tide.sim.workload import Workload
 RATIOS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # where the best lies at an end, the sweep is too short
 
 
+def free_sync(hw: Hardware) -> Hardware:
+    """`hw` with a weight sync of zero seconds (infinitely fast broadcast, no fixed part)."""
+    return replace(hw, name=f"{hw.name}, free weight sync", sync_gb_s=float("inf"), sync_overhead_s=0.0)
+
+
 class BenchError(ValueError):
     """A bench argument that does not fit the workload and cluster (the message names it and the allowed values)."""
 
@@ -66,18 +71,28 @@ def _decode_s_per_token(c: Costs, ctx: float) -> float:
     return (c.decode_weight_s + c.decode_kv_s_per_token * ctx * batch) / batch
 
 
+# The paper's only component breakdown (Table 2: OSWorld, Qwen3-VL-4B, first 10 steps, k tokens/s), cumulative.
+PAPER_TABLE2_OSWORLD_K_TOK_S = {"streamrl_fixed": 20.2, "ablation_ra2p": 23.1, "ablation_ra2p_ers": 31.8,
+                                "ablation_tide": 33.3}
+ABLATION_ADDS = {"streamrl_fixed": "baseline (StreamRL-like: a swap per micro-batch)", "ablation_ra2p": "+ RA2P",
+                 "ablation_ra2p_ers": "+ ERS", "ablation_tide": "+ CTB (routing, overlapped evaluation) = tide"}
+
+
 def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, ratios=RATIOS,
-              progress: Optional[Callable[[str], None]] = None, min_batch: Optional[int] = None) -> dict:
+              progress: Optional[Callable[[str], None]] = None, min_batch: Optional[int] = None,
+              ablation: bool = False) -> dict:
     """`min_batch`: also run tide with ERS's elastic batch (`tide.ers.min_batch`, sequences, 1 to B_ideal) as system
-    `tide_min_batch`: steps train what is ready within [min_batch, B_ideal], so fewer tokens per update."""
+    `tide_min_batch`: steps train what is ready within [min_batch, B_ideal], so fewer tokens per update.
+    `ablation`: also add tide's components one at a time to the best StreamRL-like system, as the paper's Table 2
+    does (`ablation` in the report)."""
     ideal = w.groups_for(gpus) * w.group_size
     if min_batch is not None and not 1 <= min_batch <= ideal:
         raise BenchError(f"--min-batch {min_batch}: must be 1 to {ideal} (B_ideal: {w.groups_for(gpus)} groups x "
                          f"{w.group_size} sequences on {gpus} GPUs)")
 
-    def sim(spec: SystemSpec, tide_ers: ERSConfig = ERSConfig()) -> Result:
+    def sim(spec: SystemSpec, tide_ers: ERSConfig = ERSConfig(), on: Hardware = hw) -> Result:
         t0 = time.monotonic()
-        s = Simulation(w, gpus, spec, hw, seed=seed, tide_ers=tide_ers)
+        s = Simulation(w, gpus, spec, on, seed=seed, tide_ers=tide_ers)
         r = s.run()
         if spec.elastic:
             plan_ms.extend(s.ers_plan_ms)
@@ -101,15 +116,19 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
     results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
 
-    def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False) -> Result:
+    def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False,
+             on: Hardware = hw) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                              elastic=True, cold_start_lend=lend), tide_ers)
+                              elastic=True, cold_start_lend=lend), tide_ers, on)
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
     # What-if, not in trainer tide (it runs without verl's hybrid replicas): the Actor's GPUs roll out from job start
     # until the first step can start, the paper's preemptive allocation on cold start extended to them.
-    what_if = {"tide_cold_start_lend": tide(best, "tide_cold_start_lend", lend=True)}
+    what_if = {"tide_cold_start_lend": tide(best, "tide_cold_start_lend", lend=True),
+               # A bound, not a system: the lend plus a weight sync that costs nothing (no pause of the rollout ranks,
+               # no wait before the next step). What tide still waits there is neither the sync nor the cold start.
+               "tide_free_sync_lend": tide(best, "tide_free_sync_lend", lend=True, on=free_sync(hw))}
     if min_batch is not None:
         results["tide_min_batch"] = tide(best, "tide_min_batch", replace(ERSConfig(), min_batch=min_batch))
     # tide from every start ratio: ERS moves ranks between rollout and Ref only (a Ref rank takes Ref work off
@@ -117,6 +136,18 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     # for the user; this shows what a worse (or better) start costs.
     tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
     oracle = oracle_goodput(w, gpus, hw)
+    ablation_report = None
+    if ablation:
+        r0 = best_stream.rollout_ratio
+        steps_of = {"streamrl_fixed": results["streamrl_fixed"],
+                    "ablation_ra2p": sim(SystemSpec("ablation_ra2p", rollout_ratio=r0, consume="ra2p")),
+                    "ablation_ra2p_ers": sim(SystemSpec("ablation_ra2p_ers", rollout_ratio=r0, consume="ra2p",
+                                                        elastic=True)),
+                    "ablation_tide": results["tide"] if r0 == best else tide(r0, "ablation_tide")}
+        base = steps_of["streamrl_fixed"].goodput_tok_s
+        ablation_report = {"start_ratio": r0, "rows": [
+            {"system": name, "adds": ABLATION_ADDS[name], **r.row(), "vs_baseline": round(r.goodput_tok_s / base, 4)}
+            for name, r in steps_of.items()], "paper_table2_osworld_k_tok_s": PAPER_TABLE2_OSWORLD_K_TOK_S}
     return {
         "workload": w.name, "gpus": gpus, "hardware": hw.name, "steps": w.steps, "seed": seed,
         "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in results.items()},
@@ -134,6 +165,7 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         "tide_steps": results["tide"].steps,
         "tide_ledger": results["tide"].ledger,
         "tide_ers_plan_ms_max": round(max(plan_ms, default=0.0), 4),
+        **({"ablation": ablation_report} if ablation_report else {}),
         **({"tide_min_batch": {"min_batch": min_batch, "ideal_batch": ideal,
                                "consumed_tokens": results["tide_min_batch"].consumed_tokens,
                                "tide_consumed_tokens": results["tide"].consumed_tokens,
@@ -153,8 +185,9 @@ def format_table(report: dict) -> str:
                      f"{row['rwt_s']:>9.0f}{row['twt_s']:>9.0f}{row['kv_hit_rate']:>8.1%}{row['step_time_s']:>9.1f}")
     oracle = report["oracle_goodput_tok_s"]
     tide = report["systems"]["tide"]["goodput_tok_s"]
-    lines.append(f"{'oracle bound':<20}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x   (no system can beat it: "
-                 f"{oracle / report['systems']['verl_async_fixed']['goodput_tok_s']:.2f}x the best fixed async)")
+    lines.append(f"{'oracle bound':<20}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x")
+    lines.append(f"the most any system can make here (the oracle): {oracle / sync:.2f}x verl sync, "
+                 f"{oracle / report['systems']['verl_async_fixed']['goodput_tok_s']:.2f}x the best fixed async")
     fixed = report["systems"]["verl_async_fixed"]
     tide_row = report["systems"]["tide"]
     waits_fixed, waits_tide = fixed["rwt_s"] + fixed["twt_s"], tide_row["rwt_s"] + tide_row["twt_s"]
@@ -167,6 +200,11 @@ def format_table(report: dict) -> str:
         lines.append(f"what-if, not in trainer tide: the Actor's GPUs roll out until the first step (verl's hybrid "
                      f"replicas): goodput {lend['goodput_tok_s']:.0f} tok/s ({lend['goodput_tok_s'] / fixed['goodput_tok_s']:.2f}x "
                      f"best fixed), RWT+TWT vs best fixed {waits_lend / max(waits_fixed, 1e-9) - 1:+.0%}")
+    bound = report.get("what_if", {}).get("tide_free_sync_lend")
+    if bound:
+        lines.append(f"bound, not a system: the same with a weight sync that costs nothing: RWT+TWT vs best fixed "
+                     f"{(bound['rwt_s'] + bound['twt_s']) / max(waits_fixed, 1e-9) - 1:+.0%} (RWT {bound['rwt_s']:.0f} s, "
+                     f"TWT {bound['twt_s']:.0f} s: neither the sync nor the cold start)")
     if tide_row.get("twt_ref_idle_s"):
         lines.append(f"tide's TWT includes {tide_row['twt_ref_idle_s']:.0f} s of Ref ranks ERS lent idle beside the "
                      "Actor's passes (no data wait; counted as TWT)")
@@ -175,6 +213,14 @@ def format_table(report: dict) -> str:
         lines.append(f"tide_min_batch: tide.ers.min_batch = {elastic['min_batch']} of B_ideal {elastic['ideal_batch']} "
                      f"sequences; a step trains what is ready in that range, so the run's updates took "
                      f"{elastic['consumed_tokens']:,} tokens against tide's {elastic['tide_consumed_tokens']:,}")
+    abl = report.get("ablation")
+    if abl:
+        paper = abl["paper_table2_osworld_k_tok_s"]
+        lines.append(f"components added one at a time from rollout ratio {abl['start_ratio']:.3g} (paper Table 2, "
+                     f"OSWorld, cumulative: " + ", ".join(f"{v / paper['streamrl_fixed']:.2f}x" for v in paper.values())
+                     + "):")
+        lines.extend(f"  {row['adds']:<48}{row['goodput_tok_s']:>10.0f} tok/s {row['vs_baseline']:>6.2f}x  "
+                     f"RWT {row['rwt_s']:.0f} s  TWT {row['twt_s']:.0f} s" for row in abl["rows"])
     starts = report.get("tide_start_ratio_sweep", {})
     if starts:
         lines.append("tide by start ratio (ERS moves rollout<->Ref only; a rollout-starved start stays so, and ERS's "
@@ -216,7 +262,7 @@ def plot(report: dict, path: str) -> None:
 
 
 def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional[str], seed: int,
-         steps: Optional[int], quiet: bool, min_batch: Optional[int] = None) -> int:
+         steps: Optional[int], quiet: bool, min_batch: Optional[int] = None, ablation: bool = False) -> int:
     from verl_tide.sim.workload import load_workload
 
     w = load_workload(workload)
@@ -227,7 +273,7 @@ def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional
     if say:
         say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, "
             f"hybrid, tide from {len(RATIOS)} start ratios")
-    report = run_bench(w, gpus, seed=seed, progress=say, min_batch=min_batch)
+    report = run_bench(w, gpus, seed=seed, progress=say, min_batch=min_batch, ablation=ablation)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     print(format_table(report))
     if json_path:
