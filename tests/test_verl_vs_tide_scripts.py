@@ -30,7 +30,8 @@ def test_dry_run_prints_three_comparable_jobs():
 
 def _log(path: Path, steps: list[tuple[float, float]]) -> None:
     path.write_text("\n".join(f"(TaskRunnerV1 pid=1) step:{i + 1} - perf/total_num_tokens:{tok} - "
-                              f"timing_s/step:{sec} - timing_s/gen:{sec / 2}" for i, (tok, sec) in enumerate(steps)))
+                              f"timing_s/step:{sec} - timing_s/gen:{sec / 2} - timing_s/ref:{sec / 10 * (i + 1)} - "
+                              f"timing_s/update_actor:{sec / 4}" for i, (tok, sec) in enumerate(steps)))
 
 
 def test_collect_prints_goodput_per_system_and_the_ratio(tmp_path):
@@ -43,6 +44,9 @@ def test_collect_prints_goodput_per_system_and_the_ratio(tmp_path):
     assert "2.50x" in out.stdout  # 250 tok/s vs 100 tok/s
     systems = json.loads((tmp_path / "r.json").read_text())["systems"]
     assert systems["verl_sync"]["goodput_tok_s"] == 100.0 and systems["tide"]["gen_wait_s"] == 2.0
+    # verl's Ref stage and Actor update per step (means over the steps): 1.0 and 2.0 s -> 1.5 s; 2.5 s
+    assert systems["verl_sync"]["ref_s"] == 1.5 and systems["verl_sync"]["update_actor_s"] == 2.5
+    assert "ref s" in out.stdout and "update s" in out.stdout
 
 
 def test_collect_refuses_a_log_without_step_lines(tmp_path):
