@@ -223,6 +223,8 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     for row in systems.values():
         assert {"goodput_tok_s", "rwt_s", "twt_s", "kv_hit_rate", "step_time_s"} <= set(row)
     assert report["oracle_goodput_tok_s"] > max(r["goodput_tok_s"] for r in systems.values())
+    plans = report["tide_ers_plan_ms"]  # every tide simulation's ERS plans, timed
+    assert plans["plans"] > 0 and 0 < plans["median"] <= plans["p99"] <= report["tide_ers_plan_ms_max"]
     bound = report["oracle_bound"]
     oracle = report["oracle_goodput_tok_s"]
     assert bound["vs_verl_sync"] == pytest.approx(oracle / systems["verl_sync"]["goodput_tok_s"], rel=1e-3)
