@@ -465,14 +465,35 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
     """Two rollout ranks; after step 1 one rank's server process is killed (SIGKILL). It is quarantined (its
     turns re-sent to the other rank), its server is relaunched in the background on the same workers, and at
     a later weight sync it rejoins with the current weights and takes tasks again. Every group is accounted
-    for, none failed. The environment is slowed down (about 0.4 s a turn) and rollout may not run ahead
-    (tide.max_staleness=0), so the steps outlast the relaunch (new rollout workers and a vLLM-CPU start-up,
-    about a minute here)."""
+    for, none failed.
+
+    The relaunch (new rollout workers and a vLLM-CPU start-up) takes one to three minutes on two cores, longer
+    than the rest of this run would: so the environment holds every turn from the relaunch's start until the
+    trainer says the relaunched server is up (the job cannot finish first), then answers again. The turns held meanwhile
+    wait on a request timeout long enough for it."""
+    import asyncio
     import os
     import signal
     import subprocess
+    import threading
 
-    steps_total = 24
+    from verl_tide.env.server import EnvServer, ServerConfig
+    from verl_tide.testing.testbed import env_server_in_thread
+
+    class HeldEnvServer(EnvServer):
+        """The reference environment server; while `open` is clear, every reset and step waits."""
+
+        def __init__(self, config: ServerConfig):
+            super().__init__(config)
+            self.open = threading.Event()
+            self.open.set()
+
+        async def _sleep(self, seconds: float) -> None:
+            while not self.open.is_set():
+                await asyncio.sleep(0.05)
+            await super()._sleep(seconds)
+
+    steps_total = 6
     work = tmp_path_factory.mktemp("tide_fault")
     train = write_env_task_parquet(work / "train.parquet", 64, env="tiny_slow")
     val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
@@ -480,10 +501,23 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
                   steps=steps_total, prompt_length=128, response_length=96)
     overrides = with_overrides(grpo_overrides(job), [
         *tide_overrides(job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        "tide.env.max_tokens_per_turn=8", "tide.max_staleness=0"])
+        "tide.env.max_tokens_per_turn=8", "tide.max_staleness=0", "tide.env.request_timeout_s=900"])
     killed: list[int] = []
+    held: list[bool] = []
+    held_until_up: list[bool] = []
+    env = HeldEnvServer(ServerConfig(session_timeout_s=900, latency_scale=0.25))
+    # never a deadlock: a relaunch that never comes lets the run finish and fails below
+    give_up = threading.Timer(600, env.open.set)
+    give_up.daemon = True
 
-    def kill_one_rollout_server(line: str) -> None:
+    def kill_one_rollout_server_and_hold_the_env(line: str) -> None:
+        if "relaunching rollout rank" in line and not held:
+            held.append(True)
+            env.open.clear()  # from the relaunch's start (the trainer's health check) until the server is up
+            give_up.start()
+        if "server is up again" in line and not env.open.is_set():
+            held_until_up.append(True)
+            env.open.set()
         if killed or "step:1 - " not in line:
             return
         pids = subprocess.run(["pgrep", "-f", "ray::CPUvLLMHttpServer"], capture_output=True, text=True).stdout.split()
@@ -491,15 +525,15 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
         os.kill(int(pids[-1]), signal.SIGKILL)
         killed.append(int(pids[-1]))
 
-    env_proc, env_service_url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
-    try:
+    with env_server_in_thread(env) as env_service_url:
         run = run_main_ppo(with_overrides(overrides, [f"tide.env.url={env_service_url}"]), cwd=work,
-                           log_path=work / "main_ppo.log", timeout_s=1200, on_line=kill_one_rollout_server)
-    finally:
-        env_proc.send_signal(signal.SIGTERM)
-        env_proc.communicate(timeout=30)
+                           log_path=work / "main_ppo.log", timeout_s=1200,
+                           on_line=kill_one_rollout_server_and_hold_the_env)
+        give_up.cancel()
+        env.open.set()
     assert killed, "the run never reached step 1"
     assert run.returncode == 0, run.output[-6000:]
+    assert held_until_up, "the relaunched server never came up: " + run.output[-4000:]
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == list(range(1, steps_total + 1)), run.output[-3000:]
     quarantined = [n for n in steps if steps[n]["tide/rollout/ranks_quarantined"] == 1]

@@ -76,6 +76,9 @@ class RankRestarts:
             job.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         job.seconds = time.perf_counter() - job.started
         job.done.set()
+        if job.error is None:  # a failure is reported at the next weight sync, with the rank's other news
+            print(f"verl-tide: rollout rank {job.rank}'s server is up again ({job.seconds:.1f} s after its "
+                  "relaunch began); it rejoins at the next weight sync", flush=True)
 
     def _new_workers(self, replica: Any, job: _Relaunch) -> list:
         """Rollout workers in the replica's own resource pool, as `init_standalone` builds them."""

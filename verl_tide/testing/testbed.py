@@ -232,6 +232,27 @@ def spawn_env_service(*extra_args: str, latency_scale: float = 0.0) -> tuple[Any
     return proc, f"http://127.0.0.1:{port}"
 
 
+@contextmanager
+def env_server_in_thread(server: Any) -> Iterator[str]:
+    """Serve an `EnvServer` (or a test's subclass of it) on a thread of this process, so a test can reach
+    into it while a job runs; yields the base URL and stops the server (and its port) on exit."""
+    import asyncio
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="tide-env-server", daemon=True)
+    thread.start()
+    try:
+        url = asyncio.run_coroutine_threadsafe(server.start(), loop).result(timeout=30)
+        yield url
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=30)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=30)
+            loop.close()
+
+
 def stop_stray_ray() -> None:
     """`ray stop` for a cluster that a killed driver left behind (no-op when none runs)."""
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
