@@ -207,6 +207,26 @@ def test_no_rank_moves_to_ref_when_the_cost_model_predicts_too_small_a_saving():
     assert [(m.rank, m.dst) for m in enough.moves] == [(3, Role.REF)]
 
 
+def test_no_rank_moves_to_ref_when_no_ref_rank_count_pays():
+    """A consumption deficit, but RA2P's cost model has no count of Ref ranks that beats colocated: the outlook
+    says so (no count, no saving) and ERS keeps the rollout rank; a backlog alone does not make a Ref rank pay."""
+    from verl_tide.ra2p.cost import StageTimes, ref_rank_outlook
+
+    col = StageTimes(1.0, 1.0, 2.0, 0.5)
+    # Ref ranks far slower than the Actor's own: no share of a Ref pass on them pays, decoupled neither
+    needed, saving = ref_rank_outlook([0.0] * 8, lambda k: StageTimes(4000.0 / k, 1.0, 2.0, 0.5), col, 8, have=0,
+                                      max_ref_ranks=3, split=True)
+    assert (needed, saving) == (None, 0.0)
+    p = policy(cooldown_steps=0)
+    p.plan(1, signals(cons=True), roles(4, 0), ref_ranks_needed=needed, ref_rank_saving=saving)
+    kept = p.plan(2, signals(cons=True), roles(4, 0), ref_ranks_needed=needed, ref_rank_saving=saving)
+    assert kept.moves == () and "saves 0.0% of the step, below tide.ers.min_ref_gain" in kept.reason, kept.reason
+    # unknown (no cost model yet): the deficit alone decides, as before
+    p.plan(3, signals(cons=True), roles(4, 0))
+    moved = p.plan(4, signals(cons=True), roles(4, 0))
+    assert [(m.rank, m.dst) for m in moved.moves] == [(3, Role.REF)]
+
+
 def test_min_ref_ranks_is_a_floor_while_training_that_evaluation_borrows_back():
     p = policy(min_ref_ranks=1, cooldown_steps=0)
     first = p.plan(1, signals(), roles(3, 0))  # balanced signals: only the floor moves a rank

@@ -251,7 +251,8 @@ def test_ref_rank_saving_counts_split_mode():
     assert ref_rank_saving(ready, with_ranks, col, 8, have=2, target=2, split=True) == 0.0
     # what ERS weighs, in one call: pays from 1 Ref rank, and the first one saves `one`
     assert ref_rank_outlook(ready, with_ranks, col, 8, have=0, max_ref_ranks=4, split=True) == (1, one)
-    assert ref_rank_outlook(ready, with_ranks, col, 8, have=0, max_ref_ranks=1, split=False) == (None, None)
+    # no count pays: one more Ref rank saves nothing
+    assert ref_rank_outlook(ready, with_ranks, col, 8, have=0, max_ref_ranks=1, split=False) == (None, 0.0)
 
 
 def test_best_split_finds_the_grids_optimum_or_comes_close():

@@ -1004,8 +1004,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
         needed, saving = ref_rank_outlook(ready_times, on_ref_ranks, times, len(ready_times), have,
                                           max(1, len(self.rollout_roles) + fixed), split=can_split)
-        if needed is None:
-            return break_even, None, None
+        if needed is None:  # no count pays: one more Ref rank saves nothing (saving 0)
+            return break_even, None, saving
         return break_even, max(0, needed - fixed), saving  # elastic Ref ranks needed beside the fixed ones
 
     def _times_on_ref_ranks(self, times: Any, per_mb: int, n_actor: int) -> Any:

@@ -358,12 +358,13 @@ def ref_rank_outlook(ready_times: Sequence[float], times_with_ref_ranks: Callabl
                      colocated_times: StageTimes, max_aggregate: int, have: int, max_ref_ranks: int,
                      split: bool) -> tuple[Optional[int], Optional[float]]:
     """What ERS weighs before lending a rollout rank to Ref: (the fewest Ref ranks with which a mode using them
-    pays, the saving of the next move toward that count from `have`); (None, None) if no count up to
-    `max_ref_ranks` pays."""
+    pays, the saving of the next move toward that count from `have`); (None, 0.0) if no count up to
+    `max_ref_ranks` pays: each count then costs what colocated does (its cost is its best mode's), so one more
+    Ref rank saves nothing, and ERS, which moves a rank only for a saving of `tide.ers.min_ref_gain`, keeps it."""
     costs = _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, split)
     needed = costs.fewest_paying(max_ref_ranks)
     if needed is None:
-        return None, None
+        return None, 0.0
     return needed, costs.saving(have, max(have + 1, needed))
 
 
