@@ -2,8 +2,8 @@
 
 Trainer `tide` records one ready time per GRPO group, so a step of B groups gives the cost model B arrivals
 (the simulator's presets give it 9-13 micro-batches). Timed here, per step, as `_ra2p_decision` and
-`_scaling_plan` run it: RA2P's mode choice (with split), the decoupled break-even RAS, ERS's Ref-rank outlook
-and `ERSPolicy.plan`. Arrivals: a quarter of the groups ready at the start, the rest over a minute.
+`_scaling_plan` run it: RA2P's mode choice (with split), the decoupled break-even RAS and `ERSPolicy.plan`, here
+on its slowest path (a confirmed consumption deficit, so it asks the cost model's Ref-rank outlook). Arrivals: a quarter of the groups ready at the start, the rest over a minute.
 Target (issue 6): a plan in < 1 ms. Prints a table; `--json PATH` writes the numbers.
 `--per-group` feeds each group's own ready time and one-group break-even candidates, the input trainer `tide`
 gave the cost model before 2026-11-30 (run against today's cost functions: the "before" numbers in the README
@@ -51,8 +51,9 @@ def one_step(groups: int, rng: random.Random, per_group: bool) -> float:
                 split_ref_t_ref=on_ref_ranks(1).t_ref)
     kwargs = {} if per_group else {"per_mini_batch": unit}
     decoupled_break_even_ras(len(ready), 0.3, col, ACTOR_RANKS, len(ready), **kwargs)
-    needed, saving = ref_rank_outlook(ready, on_ref_ranks, col, len(ready), 0, ROLLOUT_RANKS, split=True)
-    policy.plan(1, signals, roles, ref_ranks_needed=needed, ref_rank_saving=saving)
+    # a confirmed consumption deficit with rollout to spare: the plan asks the cost model (the slow path)
+    policy.plan(1, signals, roles, ref_outlook=lambda reach: ref_rank_outlook(ready, on_ref_ranks, col, len(ready), 0,
+                                                                              reach, split=True))
     return (time.perf_counter() - t0) * 1e3
 
 

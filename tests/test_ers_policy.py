@@ -32,6 +32,11 @@ def apply(r: dict[int, Role], plan) -> dict[int, Role]:
     return r
 
 
+def fixed(needed, saving=None):
+    """An outlook that gives the same answer for any reach (RA2P's cost model is tested in test_ra2p_cost.py)."""
+    return lambda reach: (needed, saving)
+
+
 def policy(**cfg) -> ERSPolicy:
     return ERSPolicy(config=dataclasses.replace(ERSConfig(), **cfg), ideal_batch=16)
 
@@ -174,10 +179,10 @@ def test_no_rank_leaves_rollout_if_the_rest_could_not_feed_the_trainer():
     starve = p.plan(2, cons(2.0), roles(4, 0))  # 3 of 4 ranks make 1.5 seq/s < 1.6
     assert starve.moves == () and "would make 1.50 seq/s, below the 1.60 seq/s" in starve.reason
     p.plan(3, cons(4.0), roles(4, 0))
-    far = p.plan(4, cons(4.0), roles(4, 0), ref_ranks_needed=3)  # can spare 2 (4 -> 2 ranks make 2.0 seq/s)
+    far = p.plan(4, cons(4.0), roles(4, 0), ref_outlook=fixed(3))  # can spare 2 (4 -> 2 ranks make 2.0 seq/s)
     assert far.moves == () and "Ref ranks pay from 3, rollout can spare 2" in far.reason
-    p.plan(5, cons(4.0), roles(4, 0), ref_ranks_needed=2)
-    ok = p.plan(6, cons(4.0), roles(4, 0), ref_ranks_needed=2)
+    p.plan(5, cons(4.0), roles(4, 0), ref_outlook=fixed(2))
+    ok = p.plan(6, cons(4.0), roles(4, 0), ref_outlook=fixed(2))
     assert [(m.rank, m.dst) for m in ok.moves] == [(3, Role.REF)]
 
 
@@ -199,31 +204,43 @@ def test_a_rollout_busy_only_part_of_its_working_time_can_spare_the_rank_its_rat
 
 def test_no_rank_moves_to_ref_when_the_cost_model_predicts_too_small_a_saving():
     p = policy(cooldown_steps=0, min_ref_gain=0.05)
-    p.plan(1, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.04)
-    small = p.plan(2, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.04)
+    p.plan(1, signals(cons=True), roles(4, 0), ref_outlook=fixed(1, 0.04))
+    small = p.plan(2, signals(cons=True), roles(4, 0), ref_outlook=fixed(1, 0.04))
     assert small.moves == () and "saves 4.0% of the step, below tide.ers.min_ref_gain 5.0%" in small.reason
-    p.plan(3, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.06)
-    enough = p.plan(4, signals(cons=True), roles(4, 0), ref_ranks_needed=1, ref_rank_saving=0.06)
+    p.plan(3, signals(cons=True), roles(4, 0), ref_outlook=fixed(1, 0.06))
+    enough = p.plan(4, signals(cons=True), roles(4, 0), ref_outlook=fixed(1, 0.06))
     assert [(m.rank, m.dst) for m in enough.moves] == [(3, Role.REF)]
 
 
 def test_no_rank_moves_to_ref_when_no_ref_rank_count_pays():
-    """A consumption deficit, but RA2P's cost model has no count of Ref ranks that beats colocated: the outlook
-    says so (no count, no saving) and ERS keeps the rollout rank; a backlog alone does not make a Ref rank pay."""
+    """A consumption deficit, but RA2P's cost model has no count of Ref ranks within what rollout can spare that
+    beats colocated: ERS keeps the rollout rank (a backlog alone does not make a Ref rank pay). The cost model is
+    asked only then, and only up to what rollout can spare."""
     from verl_tide.ra2p.cost import StageTimes, ref_rank_outlook
 
     col = StageTimes(1.0, 1.0, 2.0, 0.5)
-    # Ref ranks far slower than the Actor's own: no share of a Ref pass on them pays, decoupled neither
-    needed, saving = ref_rank_outlook([0.0] * 8, lambda k: StageTimes(4000.0 / k, 1.0, 2.0, 0.5), col, 8, have=0,
-                                      max_ref_ranks=3, split=True)
-    assert (needed, saving) == (None, 0.0)
+    asked: list[int] = []
+
+    def outlook(reach):  # Ref ranks far slower than the Actor's own: no share of a Ref pass on them pays
+        asked.append(reach)
+        return ref_rank_outlook([0.0] * 8, lambda k: StageTimes(4000.0 / k, 1.0, 2.0, 0.5), col, 8, have=0,
+                                max_ref_ranks=reach, split=True)
+
     p = policy(cooldown_steps=0)
-    p.plan(1, signals(cons=True), roles(4, 0), ref_ranks_needed=needed, ref_rank_saving=saving)
-    kept = p.plan(2, signals(cons=True), roles(4, 0), ref_ranks_needed=needed, ref_rank_saving=saving)
-    assert kept.moves == () and "saves 0.0% of the step, below tide.ers.min_ref_gain" in kept.reason, kept.reason
-    # unknown (no cost model yet): the deficit alone decides, as before
-    p.plan(3, signals(cons=True), roles(4, 0))
-    moved = p.plan(4, signals(cons=True), roles(4, 0))
+    p.plan(1, signals(), roles(4, 0), ref_outlook=outlook)  # balanced: no move on the table
+    p.plan(2, signals(cons=True), roles(4, 0), ref_outlook=outlook)  # waiting for confirmation
+    assert asked == []
+    kept = p.plan(3, signals(cons=True), roles(4, 0), ref_outlook=outlook)
+    assert kept.moves == () and "no count of Ref ranks up to 4 beats colocated" in kept.reason, kept.reason
+    assert asked == [4]  # rollout capacity unknown here: every rank
+    spare_two = dataclasses.replace(signals(cons=True), rollout_capacity_rate=4.0)  # 2 of 4 ranks make 2.0 seq/s
+    p.plan(4, spare_two, roles(4, 0), ref_outlook=outlook)
+    capped = p.plan(5, spare_two, roles(4, 0), ref_outlook=outlook)
+    assert capped.moves == () and "up to 2 beats colocated (rollout can spare 2" in capped.reason, capped.reason
+    assert asked[-1] == 2
+    # unknown (no cost model yet): the deficit alone decides
+    p.plan(6, signals(cons=True), roles(4, 0))
+    moved = p.plan(7, signals(cons=True), roles(4, 0))
     assert [(m.rank, m.dst) for m in moved.moves] == [(3, Role.REF)]
 
 

@@ -506,7 +506,8 @@ def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoup
         t.stage_timer.observe(stage, 1000, seconds)
     t.stage_timer.observe("swap", 0, 0.05)
     m = {}
-    break_even, needed, saving = t._ra2p_decision(800, m)  # 8 micro-batches of 100 tokens
+    break_even, outlook = t._ra2p_decision(800, m)  # 8 micro-batches of 100 tokens
+    needed, saving = outlook(2)  # what ERS asks when it weighs a move to Ref: up to both ranks
     assert t.ra2p_mode is RA2PMode.SPLIT and t.ra2p_share == pytest.approx(0.775)
     assert m["tide/ra2p/predicted_colocated_s"] == pytest.approx(3.3)
     assert m["tide/ra2p/predicted_decoupled_s"] == pytest.approx(3.4)

@@ -888,14 +888,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._observe_stage_times(step_tokens)
         m: dict[str, Any] = self.ledger.snapshot()
         m["tide/ledger/step_tokens_consumed"] = float(step_tokens)
-        break_even, ref_needed, saving = self._ra2p_decision(step_tokens, m)
+        break_even, ref_outlook = self._ra2p_decision(step_tokens, m)
         signals = self.readiness.signals(ideal_batch=self.ers.ideal_batch, tau=self.tide_config.ers.tau,
                                          ras_break_even=break_even)
         # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
         ref_floor = 1 if self._ref_pool_wanted and self.tide_config.ra2p.ref_ranks == 0 else 0
         plan = self.ers.plan(self.global_steps, signals, self.rollout_roles, phase=self._ers_phase(),
-                             ref_ranks_needed=ref_needed, elastic_ref=self.elastic is not None, ref_floor=ref_floor,
-                             ref_rank_saving=saving)
+                             ref_outlook=ref_outlook, elastic_ref=self.elastic is not None, ref_floor=ref_floor)
         m.update({
             "tide/readiness/ready_at_start": float(signals.ready_at_start),
             "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),
@@ -962,16 +961,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
             logger.warning("verl-tide: could not read the model config for the split advice: %s", e)
             return 0.0
 
-    def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[int],
-                                                                           Optional[float]]:
+    def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[Any]]:
         """RA2P's mode (and split share) for the next step, from the last step's arrivals (each group at the time its
         PPO mini-batch was complete: verl samples whole mini-batches) and measured stage times, and what ERS needs
-        from the cost model: (decoupled break-even RAS, elastic Ref ranks at which a mode using
-        them pays, the saving of the next Ref rank). Predictions go into `m`."""
+        from the cost model: (decoupled break-even RAS, the Ref-rank outlook ERS asks when it weighs a move to Ref,
+        in elastic ranks). Predictions go into `m`."""
         groups_per_mini_batch = self._groups_per_mini_batch
         ready_times = mini_batch_ready_times(self.readiness.last_ready_times, groups_per_mini_batch)
         if not (self.use_reference_policy and self.stage_timer.ready and ready_times):
-            return None, None, None
+            return None, None
         n_actor = max(1, self.actor_rollout_wg.world_size)
         per_mb = max(1, step_tokens // max(1, len(ready_times)))
         times = self.stage_timer.stage_times(per_mb)
@@ -1002,11 +1000,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
                                                   per_mini_batch=groups_per_mini_batch)
         fixed = self.tide_config.ra2p.ref_ranks
         have = fixed + sum(r is Role.REF for r in self.rollout_roles.values())
-        needed, saving = ref_rank_outlook(ready_times, on_ref_ranks, times, len(ready_times), have,
-                                          max(1, len(self.rollout_roles) + fixed), split=can_split)
-        if needed is None:  # no count pays: one more Ref rank saves nothing (saving 0)
-            return break_even, None, saving
-        return break_even, max(0, needed - fixed), saving  # elastic Ref ranks needed beside the fixed ones
+
+        def outlook(reach: int) -> tuple[Optional[int], Optional[float]]:  # ERS counts elastic ranks, beside the fixed
+            needed, saving = ref_rank_outlook(ready_times, on_ref_ranks, times, len(ready_times), have,
+                                              max(1, reach + fixed), split=can_split)
+            return (None if needed is None else max(0, needed - fixed)), saving
+        return break_even, outlook
 
     def _times_on_ref_ranks(self, times: Any, per_mb: int, n_actor: int) -> Any:
         """Stage times with k Ref ranks doing a micro-batch's Ref forward: one replica's measured rate over k; before

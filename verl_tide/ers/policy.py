@@ -9,7 +9,7 @@ consecutive plans before a rank moves, a moved rank may not move back within
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -28,6 +28,11 @@ class Phase(str, Enum):
     TRAIN = "train"
     COLD_START = "cold_start"  # buffer empty at job start: generation dominates
     EVAL = "eval"  # evaluation tasks running: generation dominates
+
+
+# RA2P's cost model as ERS asks it: for at most this many Ref ranks, (the fewest with which a mode using them beats
+# colocated or None, the step-time saving of the next move toward that count or None); `ra2p.cost.ref_rank_outlook`.
+RefRankOutlook = Callable[[int], tuple[Optional[int], Optional[float]]]
 
 
 @dataclass(frozen=True)
@@ -80,13 +85,14 @@ class ERSPolicy:
         return max(self.min_batch, min(ready_volume, self.ideal_batch))
 
     def plan(self, step: int, signals: ReadinessSignals, roles: Mapping[int, Role],
-             phase: Phase = Phase.TRAIN, ref_ranks_needed: Optional[int] = None,
-             elastic_ref: bool = True, ref_floor: int = 0, ref_rank_saving: Optional[float] = None) -> ScalingPlan:
-        """`ref_ranks_needed`: Ref ranks at which RA2P's cost model has a mode using them (decoupled, or split)
-        beat colocated for the last step's arrivals (`ra2p.cost.ref_ranks_for_decoupled`); None when unknown.
-        Ranks move to Ref only while that many can be reached without making rollout the bottleneck.
-        `ref_rank_saving`: the step-time saving the cost model predicts from the next move toward that count
-        (`ra2p.cost.ref_rank_saving`); below `tide.ers.min_ref_gain` no rank moves. None when unknown.
+             phase: Phase = Phase.TRAIN, ref_outlook: Optional[RefRankOutlook] = None,
+             elastic_ref: bool = True, ref_floor: int = 0) -> ScalingPlan:
+        """`ref_outlook`: RA2P's cost model on the last step's arrivals, asked only when a move to Ref is on the
+        table (a confirmed consumption deficit; most plans never ask, which keeps them far inside 1 ms), for as
+        many Ref ranks as rollout can spare: it says with how many Ref ranks a mode using them (decoupled, or
+        split) beats colocated, and the saving of the next move toward that count. Ranks move to Ref only while
+        that count can be reached without making rollout the bottleneck, and not for a saving below
+        `tide.ers.min_ref_gain`. None: unknown (no measured stage times yet); the signals alone decide.
         `elastic_ref`: whether a rank moved to Ref would have Ref work (a Ref model and a Ref pool that
         takes replicas); without it no rank moves to Ref. `ref_floor`: Ref ranks that never move back, in
         any phase (Ref has no ranks of its own)."""
@@ -136,10 +142,7 @@ class ERSPolicy:
                                 f"{why}; waiting for confirmation ({self._streak[1]}/{self.confirm_steps})")
         src = Role.ROLLOUT if want is Role.REF else Role.REF
         if want is Role.REF:
-            short = self._rollout_would_starve(signals, roles, ref_ranks_needed)
-            if not short and ref_rank_saving is not None and ref_rank_saving < self.config.min_ref_gain:
-                short = (f"one more Ref rank saves {ref_rank_saving:.1%} of the step, below tide.ers.min_ref_gain "
-                         f"{self.config.min_ref_gain:.1%}")
+            short = self._ref_move_would_not_pay(signals, roles, ref_outlook)
             if short:
                 self._streak = (None, 0)
                 return self._finish(step, (), mode, batch, False, f"{why}; no move: {short}")
@@ -169,8 +172,8 @@ class ERSPolicy:
         return self._finish(step, moves, RA2PMode.DECOUPLED, batch, True,
                             f"evaluation over: {len(moves)} borrowed rank(s) back rollout -> ref")
 
-    def _rollout_would_starve(self, signals: ReadinessSignals, roles: Mapping[int, Role],
-                              ref_ranks_needed: Optional[int] = None) -> str:
+    def _ref_move_would_not_pay(self, signals: ReadinessSignals, roles: Mapping[int, Role],
+                                ref_outlook: Optional[RefRankOutlook]) -> str:
         """Why moving a rank from rollout to Ref would not pay ('' if it would).
 
         A backlog (HoL, RAS) says the trainer was behind, not that rollout can spare a rank: found in the
@@ -182,20 +185,29 @@ class ERSPolicy:
         step_s = signals.mean_step_time
         n = sum(1 for r in roles.values() if r is Role.ROLLOUT)
         n_ref = len(roles) - n
-        if signals.rollout_capacity_rate is None or not step_s or n <= 1:
+        spare = None  # ranks rollout can give up and still make what the trainer consumes; None: unknown
+        if signals.rollout_capacity_rate is not None and step_s and n > 1:
+            need = self.ideal_batch / step_s
+            spare = 0
+            while spare + 1 < n and signals.rollout_rate_with(n - spare - 1, n) >= need:
+                spare += 1
+            if spare == 0:
+                busy = signals.rollout_utilization
+                return (f"{n - 1} rollout rank(s) would make {signals.rollout_rate_with(n - 1, n):.2f} seq/s, below "
+                        f"the {need:.2f} seq/s the trainer consumes" + (f" (rollout busy {busy:.0%})"
+                                                                        if busy is not None else ""))
+        if ref_outlook is None:
             return ""
-        need = self.ideal_batch / step_s
-        spare = 0  # ranks rollout can give up and still make `need`
-        while spare + 1 < n and signals.rollout_rate_with(n - spare - 1, n) >= need:
-            spare += 1
-        if spare == 0:
-            busy = signals.rollout_utilization
-            return (f"{n - 1} rollout rank(s) would make {signals.rollout_rate_with(n - 1, n):.2f} seq/s, below the "
-                    f"{need:.2f} seq/s the trainer consumes" + (f" (rollout busy {busy:.0%})" if busy is not None
-                                                                else ""))
-        if ref_ranks_needed is not None and n_ref + spare < ref_ranks_needed:
-            return (f"Ref ranks pay from {ref_ranks_needed}, rollout can spare {spare} "
-                    f"(with {n_ref} already Ref)")
+        reach = len(roles) if spare is None else n_ref + spare
+        needed, saving = ref_outlook(reach)
+        if needed is None:
+            return (f"no count of Ref ranks up to {reach} beats colocated" +
+                    ("" if spare is None else f" (rollout can spare {spare}, with {n_ref} already Ref)"))
+        if spare is not None and n_ref + spare < needed:  # an outlook beyond `reach` (e.g. a fixed answer)
+            return f"Ref ranks pay from {needed}, rollout can spare {spare} (with {n_ref} already Ref)"
+        if saving is not None and saving < self.config.min_ref_gain:
+            return (f"one more Ref rank saves {saving:.1%} of the step, below tide.ers.min_ref_gain "
+                    f"{self.config.min_ref_gain:.1%}")
         return ""
 
     def cancel(self, plan: ScalingPlan) -> None:

@@ -519,15 +519,15 @@ class Simulation:
             self.split_advice = self.advisor.update(advice) or self.split_advice
         self._eval_in_cycle = eval_next
         t0 = time.perf_counter()
-        needed = saving = None
+        outlook = None
         if self.tracker.last_ready_times and self._last_tokens_per_mb:
-            tok = self._last_tokens_per_mb
-            needed, saving = ref_rank_outlook(self.tracker.last_ready_times, lambda k: self._stage_times(tok, k),
-                                              self._stage_times(tok), self.spec.max_aggregate, len(self.ref_ranks),
-                                              len(roles), split=True)
-        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_ranks_needed=needed,
-                             ref_rank_saving=saving)
-        self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)
+            tok, ready, have = self._last_tokens_per_mb, self.tracker.last_ready_times, len(self.ref_ranks)
+
+            def outlook(reach: int) -> tuple[Optional[int], Optional[float]]:
+                return ref_rank_outlook(ready, lambda k: self._stage_times(tok, k), self._stage_times(tok),
+                                        self.spec.max_aggregate, have, reach, split=True)
+        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_outlook=outlook)
+        self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # the outlook included, when the plan asks it
         # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
         self._step_M = ERSPolicy.mini_batches(plan.batch_size, self.mb_size, self.M)
         rec_moves = self.step_records[-1].moves
