@@ -3,7 +3,8 @@
 Trainer `tide` records one ready time per GRPO group, so a step of B groups gives the cost model B arrivals
 (the simulator's presets give it 9-13 micro-batches). Timed here, per step, as `_ra2p_decision` and
 `_scaling_plan` run it: RA2P's mode choice (with split), the decoupled break-even RAS and `ERSPolicy.plan`, here
-on its slowest path (a confirmed consumption deficit, so it asks the cost model's Ref-rank outlook). Arrivals: a quarter of the groups ready at the start, the rest over a minute.
+on its slowest path (a confirmed consumption deficit, so it asks the cost model's Ref-rank outlook). Arrivals: a
+quarter of the groups ready at the start, the rest over a minute.
 Target (issue 6): a plan in < 1 ms. Prints a table; `--json PATH` writes the numbers.
 `--per-group` feeds each group's own ready time and one-group break-even candidates, the input trainer `tide`
 gave the cost model before 2026-11-30 (run against today's cost functions: the "before" numbers in the README

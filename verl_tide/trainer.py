@@ -55,7 +55,7 @@ from verl.workers.rollout.utils import update_prometheus_config
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.config import TideConfigError
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
-from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
+from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, RefRankOutlook, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 from verl_tide.ledger import GoodputLedger, Outcome
@@ -961,7 +961,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             logger.warning("verl-tide: could not read the model config for the split advice: %s", e)
             return 0.0
 
-    def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[Any]]:
+    def _ra2p_decision(self, step_tokens: int, m: dict[str, Any]) -> tuple[Optional[int], Optional[RefRankOutlook]]:
         """RA2P's mode (and split share) for the next step, from the last step's arrivals (each group at the time its
         PPO mini-batch was complete: verl samples whole mini-batches) and measured stage times, and what ERS needs
         from the cost model: (decoupled break-even RAS, the Ref-rank outlook ERS asks when it weighs a move to Ref,

@@ -360,7 +360,7 @@ def ref_rank_outlook(ready_times: Sequence[float], times_with_ref_ranks: Callabl
     """What ERS weighs before lending a rollout rank to Ref: (the fewest Ref ranks with which a mode using them
     pays, the saving of the next move toward that count from `have`); (None, 0.0) if no count up to
     `max_ref_ranks` pays: each count then costs what colocated does (its cost is its best mode's), so one more
-    Ref rank saves nothing, and ERS, which moves a rank only for a saving of `tide.ers.min_ref_gain`, keeps it."""
+    Ref rank saves nothing."""
     costs = _CostsByRefRanks(ready_times, times_with_ref_ranks, colocated_times, max_aggregate, split)
     needed = costs.fewest_paying(max_ref_ranks)
     if needed is None:
