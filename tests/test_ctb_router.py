@@ -236,3 +236,61 @@ async def test_kv_wait_and_decode_load_clocks_for_the_split_advice():
     assert clocks["kv_wait_s"] == pytest.approx(4.0)  # d waits for the allowance, not for KV
     assert clocks["generating_token_s"] == pytest.approx(9000.0)
     blocked.cancel()
+
+
+async def _run_trajectory(lb, rid, tokens=100):
+    sid, _ = await lb.acquire_server(rid, prompt_ids=[1] * tokens)
+    lb.release_server(sid, request_id=rid)
+    lb.finish(rid)
+
+
+async def test_a_nearly_finished_large_group_does_not_outrank_evaluation_through_the_router():
+    """Table 1: evaluation > group completion. The completion term is a fraction of the GRPO group, so the
+    router must know verl's rollout.n; with 11 of 16 siblings finished a training task still waits behind
+    an evaluation task."""
+    from verl_tide.ctb.ids import trajectory_request_id
+
+    lb = CTBLoadBalancer({"s0": "handle0"}, {"kv_capacity_tokens": 1000, "idle_finish_s": 30,
+                                             "ctb": {"kv_headroom": 1.0}, "group_size": 16, "eval_group_size": 2})
+    for _ in range(11):
+        await _run_trajectory(lb, trajectory_request_id("g16"))
+    blocker = trajectory_request_id("other")
+    sid, _ = await lb.acquire_server(blocker, prompt_ids=[1] * 900)
+    lb.release_server(sid, request_id=blocker)
+    train = asyncio.create_task(lb.acquire_server(trajectory_request_id("g16"), prompt_ids=[1] * 600))
+    await asyncio.sleep(0.02)
+    ev = asyncio.create_task(lb.acquire_server(trajectory_request_id("val", is_eval=True), prompt_ids=[1] * 600))
+    await asyncio.sleep(0.02)
+    assert not train.done() and not ev.done()
+    tasks = lb.gate.scheduler.tasks
+    waiting_train = next(t for t in tasks.values() if t.group_id == "g16" and t.state.value == "queued")
+    assert waiting_train.group_size == 16
+    assert lb.gate.scheduler.priority(waiting_train) == pytest.approx(100.0 * 11 / 16 + 1e-5 * 600)  # w2, w4
+    lb.finish(blocker)
+    await asyncio.wait_for(ev, 5)
+    await asyncio.sleep(0.05)
+    assert not train.done()  # the training task waits although it arrived first
+
+
+def test_the_router_refuses_a_group_size_that_is_not_a_positive_integer():
+    with pytest.raises(ValueError, match="group_size = 0: must be an integer >= 1"):
+        _lb(group_size=0)
+
+
+async def test_the_router_hands_out_each_groups_finish_time_once_and_the_task_type_reaches_ctb():
+    import time
+
+    from verl_tide.ctb.ids import trajectory_request_id
+
+    lb = _lb()
+    rid = trajectory_request_id("g")
+    lb.register_env_session(rid, "http://127.0.0.1:1", "sess", "shop")
+    before = time.time()
+    sid, _ = await lb.acquire_server(rid, prompt_ids=[1] * 100)
+    assert next(iter(lb.gate.scheduler.tasks.values())).task_type == "shop"
+    lb.release_server(sid, request_id=rid)
+    lb.finish(rid)
+    await _run_trajectory(lb, trajectory_request_id("val", is_eval=True))  # evaluation groups are not stamped
+    times = lb.group_finish_times(["g", "val", "unknown"])
+    assert list(times) == ["g"] and before <= times["g"] <= time.time()
+    assert lb.group_finish_times(["g"]) == {}

@@ -31,6 +31,9 @@ class TideReplayBuffer(ReplayBufferAsync):
         self.ledger = ledger
         self.clock = clock
         self.on_evicted: Optional[Callable[[list[str]], None]] = None  # sample keys of groups verl evicts
+        # {uid: time on `clock`} of the groups asked: when each group's last trajectory finished (CTB's router
+        # knows); a group it does not know is stamped when this buffer first sees it finished (verl's poll)
+        self.finish_times: Optional[Callable[[list[str]], dict[str, float]]] = None
         super().__init__(*args, **kwargs)
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
@@ -48,12 +51,13 @@ class TideReplayBuffer(ReplayBufferAsync):
     def _sync_metadata_from_transfer_queue(self):
         super()._sync_metadata_from_transfer_queue()
         now = self.clock()
-        for uid in sorted(self.finished_keys[TRAIN]):
-            if self.ledger.is_known(uid):
-                continue
+        new = [uid for uid in sorted(self.finished_keys[TRAIN]) if not self.ledger.is_known(uid)]
+        finished = self.finish_times(new) if new and self.finish_times is not None else {}
+        for uid in new:
             samples, tokens = self._group_size(TRAIN, uid)
             self.ledger.group_ready(uid, samples, tokens)
-            self.readiness.micro_batch_ready(uid, max(samples, 1), t=now)
+            # ready when its last trajectory finished, not when verl's sampler polled (never in the future)
+            self.readiness.micro_batch_ready(uid, max(samples, 1), t=min(now, finished.get(uid, now)))
 
     def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons):
         if partition_id == TRAIN:

@@ -152,7 +152,27 @@ class TideTrainer(PPOTrainerSeparateAsync):
             train_batch_size=int(self.config.data.train_batch_size),
         )
         buffer.on_evicted = self._forget_scored
+        if self.tide_config.ctb.enabled:
+            buffer.finish_times = self._group_finish_times
         return buffer
+
+    def _group_finish_times(self, uids: list[str]) -> dict[str, float]:
+        """When each group's last trajectory finished (CTB's router is told), on this trainer's clock."""
+        manager = getattr(self, "standalone_server_manager", None)
+        if manager is None:
+            return {}
+        import ray
+
+        from verl_tide.ctb.ids import SEP
+
+        by_group = {uid.replace(SEP, "_"): uid for uid in uids}  # the router's group ids (ctb/ids.py)
+        try:
+            wall = ray.get(manager.global_load_balancer.group_finish_times.remote(list(by_group)), timeout=30)
+        except Exception as e:  # readiness falls back to the poll time; training goes on
+            logger.warning("verl-tide: could not read group finish times from CTB's router: %s", e)
+            return {}
+        now_wall, now = time.time(), self.clock()
+        return {by_group[g]: now - max(0.0, now_wall - t) for g, t in wall.items()}
 
     def _forget_scored(self, keys: list[str]) -> None:
         """Samples scored ahead whose group verl evicted (stale, filtered, failed): never trained."""
@@ -534,7 +554,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         from verl_tide.ctb.router import CTBLoadBalancer
 
         ctb = OmegaConf.to_container(self.config.tide.ctb, resolve=True)
-        return CTBLoadBalancer.with_config({"ctb": ctb, "backend": self.config.actor_rollout_ref.rollout.name})
+        rollout = self.config.actor_rollout_ref.rollout
+        return CTBLoadBalancer.with_config({
+            "ctb": ctb, "backend": rollout.name, "group_size": int(rollout.get("n", 1) or 1),
+            "eval_group_size": int(rollout.get("val_kwargs", {}).get("n", 1) or 1)})
 
     def _setup(self):
         # With tide's own Ref replicas, verl must not build its Ref worker group; the flag goes back on after,

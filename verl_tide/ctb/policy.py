@@ -225,7 +225,8 @@ class CTBScheduler:
     def priority(self, task: Task) -> float:
         """P(t) = w1*eval + w2*group completion + w3*active + w4*context length."""
         w = self.config.priority
-        completion = self._group_done.get(task.group_id, 0) / task.group_size
+        # a fraction (capped: a group told too small a size must not outrank evaluation)
+        completion = min(1.0, self._group_done.get(task.group_id, 0) / task.group_size)
         return (w.eval * task.is_eval + w.group_completion * completion + w.active * task.generating
                 + w.context_length * self.footprint(task))
 

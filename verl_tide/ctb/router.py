@@ -36,6 +36,7 @@ from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+MAX_FINISH_TIMES = 100_000  # groups whose finish time is kept until the trainer asks for it
 
 
 def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.0) -> Optional[int]:
@@ -45,6 +46,16 @@ def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.
     except (OSError, ValueError) as e:
         logger.warning("CTB: could not read the KV capacity of %s: %s", server_address, e)
         return None
+
+
+def _positive_int(config: Mapping[str, Any], key: str, default: int) -> int:
+    value = config.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"CTB router: {key} = {value!r}: must be an integer >= 1 (the GRPO group size, "
+                         "verl's actor_rollout_ref.rollout.n or rollout.val_kwargs.n)")
+    return value
 
 
 class CTBLoadBalancer:
@@ -57,6 +68,10 @@ class CTBLoadBalancer:
         self.idle_finish_s = float(config.get("idle_finish_s", 300.0))
         self.default_capacity = config.get("kv_capacity_tokens")
         self.status_path = config.get("status_path")  # if set, get_status() is written here as JSON
+        # GRPO group sizes (verl's rollout.n and rollout.val_kwargs.n): Table 1's completion term is the finished
+        # *fraction* of a group; without the size it would count finished siblings and outrank evaluation.
+        self.group_size = _positive_int(config, "group_size", 1)
+        self.eval_group_size = _positive_int(config, "eval_group_size", self.group_size)
         self.servers: dict[str, Any] = {}
         self.inflight: dict[str, int] = {}
         self.clock = time.monotonic
@@ -71,6 +86,9 @@ class CTBLoadBalancer:
         self._turns: dict[str, int] = {}
         self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
         self._env_sessions: dict[str, tuple[str, str]] = {}  # request id -> (env service URL, session id)
+        self._task_types: dict[str, str] = {}  # request id -> task type (the environment), for the diversity term
+        # group -> wall-clock time its latest trajectory finished: when the group became ready (readiness signals)
+        self._group_finished_at: dict[str, float] = {}
         self._env_clients: dict[str, Any] = {}
         self.counters.update({"env_paused": 0, "env_resumed": 0, "env_pause_failed": 0, "quarantined": 0,
                               "tasks_moved_off_removed_ranks": 0})
@@ -122,8 +140,10 @@ class CTBLoadBalancer:
             if task is None or task.state is TaskState.DONE:
                 if task is not None:  # an idle-finished trajectory came back: admit it as a new task
                     self._incarnation[request_id] = self._incarnation.get(request_id, 0) + 1
+                is_eval = is_eval_request(request_id)
                 await self.gate.admit(self._tid(request_id), group_id=group_of(request_id), prompt_tokens=context,
-                                      is_eval=is_eval_request(request_id))
+                                      group_size=self.eval_group_size if is_eval else self.group_size,
+                                      task_type=self._task_types.get(request_id, "default"), is_eval=is_eval)
             rank = await self.gate.before_turn(self._tid(request_id), context)
         except TaskFailed as e:
             server = min(self.inflight, key=self.inflight.get)
@@ -148,9 +168,13 @@ class CTBLoadBalancer:
         turn = self._turns.get(request_id, 0)
         asyncio.get_event_loop().call_later(self.idle_finish_s, self._finish_if_idle, request_id, turn)
 
-    def register_env_session(self, request_id: str, env_url: str, session_id: str) -> None:
-        """The trajectory's environment session, to `/pause` and `/resume` with CTB's decisions."""
+    def register_env_session(self, request_id: str, env_url: str, session_id: str,
+                             task_type: Optional[str] = None) -> None:
+        """The trajectory's environment session, to `/pause` and `/resume` with CTB's decisions, and its task type
+        (the environment's name): CTB spreads tasks of one type over ranks (`tide.ctb.diversity_penalty`)."""
         self._env_sessions[request_id] = (env_url, session_id)
+        if task_type:
+            self._task_types[request_id] = str(task_type)
 
     def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value) -> None:
         """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
@@ -158,6 +182,13 @@ class CTBLoadBalancer:
         self.bypassed.pop(request_id, None)
         self._env_sessions.pop(request_id, None)
         self._assigned.pop(request_id, None)
+        self._task_types.pop(request_id, None)
+        if not is_eval_request(request_id):
+            group = group_of(request_id)
+            self._group_finished_at.pop(group, None)  # re-inserted last: the oldest entries go first when full
+            self._group_finished_at[group] = time.time()
+            if len(self._group_finished_at) > MAX_FINISH_TIMES:  # nobody asks (a router plugin in stock verl)
+                self._group_finished_at.pop(next(iter(self._group_finished_at)))
         task = self.gate.scheduler.tasks.get(self._tid(request_id))
         if task is not None and task.state is not TaskState.DONE:
             self.gate.finish(self._tid(request_id), Outcome(outcome))
@@ -166,6 +197,11 @@ class CTBLoadBalancer:
 
             with open(self.status_path, "w") as f:
                 json.dump(self.get_status(), f)
+
+    def group_finish_times(self, group_ids: list[str]) -> dict[str, float]:
+        """Wall-clock (time.time) finish of each group's latest trajectory, for the groups asked; handed out once
+        (the trainer's replay buffer stamps a group ready at that time, not when it polls)."""
+        return {g: self._group_finished_at.pop(g) for g in group_ids if g in self._group_finished_at}
 
     def add_servers(self, servers: dict[str, Any]) -> None:
         self._account_clocks()

@@ -108,7 +108,7 @@ class EnvAgentLoop(AgentLoopBase):
         try:
             start = await client.start(env=spec.get("env"), task=spec.get("task"), seed=spec.get("seed"))
             session_id = start.session_id
-            self._tell_router("register_env_session", request_id, self.url, session_id)
+            self._tell_router("register_env_session", request_id, self.url, session_id, spec.get("env") or "default")
             messages.append({"role": "user", "content": start.observation})
             prompt_ids = await self.ct_build_initial_tokens(messages)
             while True:
