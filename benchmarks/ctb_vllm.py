@@ -38,7 +38,7 @@ import aiohttp
 from verl_tide.config import CTBConfig
 from verl_tide.ctb.gate import TurnGate
 from verl_tide.ctb.policy import CTBScheduler
-from verl_tide.metrics import EngineMetrics, prefix_hit_rate
+from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
 
 
 @dataclass(frozen=True)

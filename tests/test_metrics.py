@@ -10,7 +10,8 @@ import pytest
 
 from verl_tide.config import CTBConfig
 from verl_tide.ctb.policy import CTBScheduler
-from verl_tide.metrics import EngineMetrics, TideMetrics, prefix_hit_rate
+from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
+from verl_tide.metrics import TideMetrics
 
 DATA = Path(__file__).parent / "data"
 

@@ -112,30 +112,33 @@ class _Pool:
         return {**pending[0], "replicas": 1.0}
 
 
-def _trainer(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
+def _path(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
+    """trainer `tide`'s Ref path (trainer/ref_path.py) with stand-ins for the Ref pool and the replay buffer."""
     from types import SimpleNamespace
 
     from omegaconf import OmegaConf
 
     from verl_tide.config import parse_tide_config
+    from verl_tide.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import StageTimer
-    from verl_tide.trainer import TideTrainer
+    from verl_tide.trainer.ref_path import RefPath
 
-    t = TideTrainer.__new__(TideTrainer)
-    t.tide_config = parse_tide_config({"ra2p": {"mode": mode, "max_aggregate": max_aggregate}})
-    t.config = OmegaConf.create({"data": {"train_batch_size": 4},
-                                 "actor_rollout_ref": {"rollout": {"temperature": 1.0}}})
-    t.parameter_sync_step, t.local_trigger_step, t.global_steps = 2, 0, 1
-    t._window_mini_batches = 2
-    t.ref_aggregator = RefAggregator()
-    t.ref_pool, t.ref_service, t.ra2p_mode = _Pool(), ref_service, chosen
-    t._ref_pool_wanted = True
-    t._ref_in_flight, t._ref_split_pending, t.ra2p_share = None, [], None
-    t._handoff, t.sample_ids, t._released_ids, t._handoff_counters = False, SampleIds(), [], {}
-    t._inputs_handoff = False
-    t.stage_timer = StageTimer()
-    t.replay_buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
-    return t, SimpleNamespace
+    tide = parse_tide_config({"ra2p": {"mode": mode, "max_aggregate": max_aggregate}})
+    config = OmegaConf.create({"data": {"train_batch_size": 4}, "algorithm": {},
+                               "actor_rollout_ref": {"rollout": {"temperature": 1.0}, "actor": {}}})
+    planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8)
+    planner.mode = chosen
+    p = RefPath(config, tide, StageTimer(), planner, uses_ref=True)
+    p.pool, p.service, p.pool_wanted = _Pool(), ref_service, True
+    p.actor_wg = SimpleNamespace(world_size=1)
+    buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
+    return p, buffer, SimpleNamespace
+
+
+def _score(p, buffer, batch, metrics, trigger=0, verl_ref_pass=None):
+    """What trainer `tide`'s `_compute_ref_log_prob` does: 2 mini-batches of 2 groups a step."""
+    limit = p.aggregate_limit(2, trigger, 2)
+    p.score(batch, metrics, buffer, 1, limit, verl_ref_pass or (lambda b, m: b))
 
 
 def _batch(ns, uids):
@@ -144,149 +147,141 @@ def _batch(ns, uids):
 
 
 def test_colocated_steps_score_the_rest_of_the_window_in_the_first_ref_pass():
-    t, ns = _trainer(mode="colocated")
+    p, buffer, ns = _path(mode="colocated")
     metrics = {}
-    t._compute_ref_log_prob(_batch(ns, "ab"), metrics)
+    _score(p, buffer, _batch(ns, "ab"), metrics)
     # 4 groups per step, 2 per mini-batch: the first pass also scores the 2 groups the second mini-batch takes
-    assert t.replay_buffer.calls == [(2, {"a", "b"})]
-    assert t.ref_pool.passes == [["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]]
+    assert buffer.calls == [(2, {"a", "b"})]
+    assert p.pool.passes == [["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]]
     assert metrics["tide/ra2p/ref_pass_samples_ahead"] == 4.0
-    t.local_trigger_step = 1
-    t._compute_ref_log_prob(_batch(ns, "cd"), metrics)
-    assert len(t.ref_pool.passes) == 1  # the second mini-batch needed no Ref pass
-    assert t.ref_aggregator.counters.batches_without_ref_pass == 1 and metrics["tide/ra2p/ref_pass_samples"] == 0
-    assert t.ref_aggregator.scored == set()
+    _score(p, buffer, _batch(ns, "cd"), metrics, trigger=1)
+    assert len(p.pool.passes) == 1  # the second mini-batch needed no Ref pass
+    assert p.aggregator.counters.batches_without_ref_pass == 1 and metrics["tide/ra2p/ref_pass_samples"] == 0
+    assert p.aggregator.scored == set()
 
 
 def test_max_aggregate_zero_gives_a_ref_pass_per_mini_batch():
-    t, ns = _trainer(mode="colocated", max_aggregate=0)
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
-    t.local_trigger_step = 1
-    t._compute_ref_log_prob(_batch(ns, "cd"), {})
-    assert t.ref_pool.passes == [["a_0", "a_1", "b_0", "b_1"], ["c_0", "c_1", "d_0", "d_1"]]
-    assert t.replay_buffer.calls == []
+    p, buffer, ns = _path(mode="colocated", max_aggregate=0)
+    _score(p, buffer, _batch(ns, "ab"), {})
+    _score(p, buffer, _batch(ns, "cd"), {}, trigger=1)
+    assert p.pool.passes == [["a_0", "a_1", "b_0", "b_1"], ["c_0", "c_1", "d_0", "d_1"]]
+    assert buffer.calls == []
 
 
-def test_the_step_mode_follows_the_cost_models_choice_and_a_scored_batch_never_runs_deferred(monkeypatch):
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+def _no_transfer_queue(p):
+    """Unit only: TransferQueue is not running here; sample ids are assigned and recorded."""
+    written = []
 
+    def put_ids(keys, partition_id):
+        ids = p.sample_ids.assign(keys)
+        written.append(dict(zip(keys, ids)))
+        return ids
+
+    p._put_sample_ids = put_ids
+    return written
+
+
+def test_the_step_mode_follows_the_cost_models_choice_and_a_scored_batch_never_runs_deferred():
     from verl_tide.ra2p.cost import RA2PMode
 
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "_compute_old_log_prob", lambda self, b, m: b)  # unit only
-    t, ns = _trainer(mode="auto", ref_service=object(), chosen=None)
-    started = []
-    t._start_deferred_ref = lambda batch: started.append(list(batch.keys))
-    assert t._step_ra2p_mode() is RA2PMode.DECOUPLED  # before the first measurement
-    t.ra2p_mode = RA2PMode.COLOCATED  # the cost model's choice at the last step boundary
-    assert t._step_ra2p_mode() is RA2PMode.COLOCATED
-    t._compute_old_log_prob(_batch(ns, "ab"), {})
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})  # scores c, d ahead
-    assert started == []
-    t.ra2p_mode = RA2PMode.DECOUPLED  # the next step switches back
+    p, buffer, ns = _path(mode="auto", ref_service=object(), chosen=None)
+    _no_transfer_queue(p)
+    assert p.step_mode() is RA2PMode.DECOUPLED  # before the first measurement
+    p.planner.mode = RA2PMode.COLOCATED  # the planner's choice at the last step boundary
+    assert p.step_mode() is RA2PMode.COLOCATED
+    p.before_old_log_prob(_batch(ns, "ab"), {})
+    _score(p, buffer, _batch(ns, "ab"), {})  # scores c, d ahead
+    assert p.in_flight is None and len(p.pool.passes) == 1
+    p.planner.mode = RA2PMode.DECOUPLED  # the next step switches back
     m = {}
-    t._compute_old_log_prob(_batch(ns, "cd"), m)  # c, d already carry ref log-probs: finishes colocated
-    assert started == [] and m["tide/ra2p/step_mode_decoupled"] == 0.0
-    t._compute_ref_log_prob(_batch(ns, "cd"), {})
-    t._compute_old_log_prob(_batch(ns, "ef"), m)
-    assert started == [["e_0", "e_1", "f_0", "f_1"]] and m["tide/ra2p/step_mode_decoupled"] == 1.0
+    p.before_old_log_prob(_batch(ns, "cd"), m)  # c, d already carry ref log-probs: finishes colocated
+    assert p.in_flight is None and m["tide/ra2p/step_mode_decoupled"] == 0.0
+    _score(p, buffer, _batch(ns, "cd"), {}, trigger=1)
+    p.before_old_log_prob(_batch(ns, "ef"), m)
+    assert p.pool.passes[-1] == ["e_0", "e_1", "f_0", "f_1"] and m["tide/ra2p/step_mode_decoupled"] == 1.0
+    assert p.in_flight is not None  # the Actor's backward picks them up; no colocated pass for e, f
+    _score(p, buffer, _batch(ns, "ef"), {})
+    assert len(p.pool.passes) == 2
 
 
 def test_without_the_deferred_loss_every_step_is_colocated():
     from verl_tide.ra2p.cost import RA2PMode
 
-    t, _ = _trainer(mode="decoupled", ref_service=None)
-    assert t._step_ra2p_mode() is RA2PMode.COLOCATED
-    t.ref_service = object()
-    assert t._step_ra2p_mode() is RA2PMode.DECOUPLED
+    p, _, _ = _path(mode="decoupled", ref_service=None)
+    assert p.step_mode() is RA2PMode.COLOCATED
+    p.service = object()
+    assert p.step_mode() is RA2PMode.DECOUPLED
 
 
-def test_with_verls_own_ref_a_burst_is_one_ref_worker_group_pass_of_whole_ranks(monkeypatch):
+def test_with_verls_own_ref_a_burst_is_one_ref_worker_group_pass_of_whole_ranks():
     """verl's Ref on the trainer's GPUs (no tide Ref replicas): the burst is handed to verl's own
     `_compute_ref_log_prob` as one batch, a multiple of the Ref worker group's size."""
     from types import SimpleNamespace
 
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
-
     passes = []
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "_compute_ref_log_prob",
-                        lambda self, batch, metrics: passes.append((list(batch.keys), list(batch.tags))) or batch)
-    t, ns = _trainer(mode="auto", max_aggregate=3)
-    t.ref_pool = None
-    t.ref_in_actor = False
-    t.ref_policy_wg = SimpleNamespace(world_size=4)
-    t.replay_buffer.groups[0][1]["c_0"] = {"seq_len": 9}
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    p, buffer, ns = _path(mode="auto", max_aggregate=3)
+    p.pool = None
+    p.ref_wg = SimpleNamespace(world_size=4)
+    buffer.groups[0][1]["c_0"] = {"seq_len": 9}
+    _score(p, buffer, _batch(ns, "ab"), {},
+           verl_ref_pass=lambda batch, metrics: passes.append((list(batch.keys), list(batch.tags))) or batch)
     (keys, tags), = passes
     assert keys == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]  # 3 groups ahead trimmed to 2: 8 = 2x4
     assert tags[4] == {"seq_len": 9}
-    assert t.ref_aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}
+    assert p.aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}
 
 
-def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_lent(monkeypatch):
+def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_lent():
     """tide.ers.max_ref_ranks >= 1 with verl's Ref: the pool starts empty, so steps run colocated on verl's Ref
     worker group (aggregated, timed for the cost model); once ERS lends a rank, the pool scores and a decoupled
     step can run."""
     from types import SimpleNamespace
 
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
-
     from verl_tide.ra2p.cost import RA2PMode
 
     verl_passes = []
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "_compute_ref_log_prob",
-                        lambda self, batch, metrics: verl_passes.append(list(batch.keys)) or batch)
-    t, ns = _trainer(mode="auto", ref_service=object(), chosen=RA2PMode.DECOUPLED)
-    t.ref_pool = _Pool(replicas=0)
-    t._ref_pool_wanted = False
-    t.ref_in_actor = False
-    t.ref_policy_wg = SimpleNamespace(world_size=1)
-    assert t._step_ra2p_mode() is RA2PMode.COLOCATED  # decoupled was chosen, but no Ref replica is up
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
-    assert verl_passes == [["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]] and t.ref_pool.passes == []
-    assert t.stage_timer._rate["ref"] > 0  # measured on verl's pass: 40 tokens
-    t.ref_pool.replicas.append(object())  # ERS lent a rollout rank to Ref
-    assert t._step_ra2p_mode() is RA2PMode.DECOUPLED
-    t.local_trigger_step = 1
-    t._compute_ref_log_prob(_batch(ns, "ef"), {})
-    assert t.ref_pool.passes == [["e_0", "e_1", "f_0", "f_1"]] and len(verl_passes) == 1
+    p, buffer, ns = _path(mode="auto", ref_service=object(), chosen=RA2PMode.DECOUPLED)
+    p.pool = _Pool(replicas=0)
+    p.pool_wanted = False
+    p.ref_wg = SimpleNamespace(world_size=1)
+    verl_pass = lambda batch, metrics: verl_passes.append(list(batch.keys)) or batch  # noqa: E731
+    assert p.step_mode() is RA2PMode.COLOCATED  # decoupled was chosen, but no Ref replica is up
+    _score(p, buffer, _batch(ns, "ab"), {}, verl_ref_pass=verl_pass)
+    assert verl_passes == [["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]] and p.pool.passes == []
+    assert p.stage_timer.rate("ref") > 0  # measured on verl's pass: 40 tokens
+    p.pool.replicas.append(object())  # ERS lent a rollout rank to Ref
+    assert p.step_mode() is RA2PMode.DECOUPLED
+    _score(p, buffer, _batch(ns, "ef"), {}, trigger=1, verl_ref_pass=verl_pass)
+    assert p.pool.passes == [["e_0", "e_1", "f_0", "f_1"]] and len(verl_passes) == 1
 
 
-def _handoff_trainer(monkeypatch, **kwargs):
-    t, ns = _trainer(**kwargs)
-    t._handoff, t._ref_service_name = True, "svc"
-    written = []
-
-    def put_ids(keys, partition_id):  # unit only: TransferQueue is not running here
-        ids = t.sample_ids.assign(keys)
-        written.append(dict(zip(keys, ids)))
-        return ids
-
-    monkeypatch.setattr(t, "_put_sample_ids", put_ids)
-    return t, ns, written
+def _handoff_path(**kwargs):
+    p, buffer, ns = _path(**kwargs)
+    p.handoff, p.service_name = True, "svc"
+    return p, buffer, ns, _no_transfer_queue(p)
 
 
-def test_with_the_handoff_a_colocated_pass_on_ref_replicas_sends_rows_by_sample_id(monkeypatch):
+def test_with_the_handoff_a_colocated_pass_on_ref_replicas_sends_rows_by_sample_id():
     """tide.ra2p.zero_copy: the burst's rows go to the Ref service under fresh sample ids (written to the
     samples' data), not to TransferQueue; a sample scored ahead keeps its id until its mini-batch trains."""
-    t, ns, written = _handoff_trainer(monkeypatch, mode="colocated")
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
-    (ids, service), = t.ref_pool.handed
+    p, buffer, ns, written = _handoff_path(mode="colocated")
+    _score(p, buffer, _batch(ns, "ab"), {})
+    (ids, service), = p.pool.handed
     assert service == "svc" and ids == list(range(8))
     assert written == [{k: i for i, k in enumerate(["a_0", "a_1", "b_0", "b_1", "c_0", "c_1", "d_0", "d_1"])}]
-    assert t.sample_ids.release(["c_1", "zz"]) == [5]  # ahead, not trained yet: still known
+    assert p.sample_ids.release(["c_1", "zz"]) == [5]  # ahead, not trained yet: still known
 
 
-def test_with_the_handoff_verls_ref_worker_group_runs_the_handoff_pass_with_the_service_name(monkeypatch):
+def test_with_the_handoff_verls_ref_worker_group_runs_the_handoff_pass_with_the_service_name():
     from types import SimpleNamespace
 
     from verl_tide.ra2p.handoff_worker import SERVICE_KEY
 
     calls = []
-    t, ns, written = _handoff_trainer(monkeypatch, mode="auto", max_aggregate=1)
-    t.ref_pool = None
-    t.ref_in_actor = False
-    t.ref_policy_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append)
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    p, buffer, ns, written = _handoff_path(mode="auto", max_aggregate=1)
+    p.pool = None
+    p.ref_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append)
+    _score(p, buffer, _batch(ns, "ab"), {})
     (meta,), = [calls]
     assert list(meta.keys) == ["a_0", "a_1", "b_0", "b_1", "c_0", "c_1"]
     assert meta.extra_info[SERVICE_KEY] == "svc" and meta.extra_info["compute_loss"] is False
@@ -294,61 +289,65 @@ def test_with_the_handoff_verls_ref_worker_group_runs_the_handoff_pass_with_the_
     assert list(written[0]) == list(meta.keys)
 
 
-def test_with_the_inputs_handoff_each_ref_rank_scores_the_share_its_actor_rank_trains(monkeypatch):
+def test_with_the_inputs_handoff_each_ref_rank_scores_the_share_its_actor_rank_trains():
     """verl's Ref and Actor roles in the same processes, the same data-parallel layout: the pass is ordered so
     that Ref rank r's share holds the mini-batch samples Actor rank r trains (their rows and inputs stay
     there); with another layout, verl's order."""
     from types import SimpleNamespace
 
     calls = []
-    t, ns, written = _handoff_trainer(monkeypatch, mode="auto", max_aggregate=2)
-    t.ref_pool = None
-    t.ref_in_actor = False
-    t._inputs_handoff = True
-    t.ref_policy_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append,
-                                      _dispatch_info={"ref": [0, 1]})
-    t.actor_rollout_wg = SimpleNamespace(_dispatch_info={"actor": [0, 1]})
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    p, buffer, ns, written = _handoff_path(mode="auto", max_aggregate=2)
+    p.pool = None
+    p.inputs_handoff = True
+    p.ref_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append,
+                               _dispatch_info={"ref": [0, 1]})
+    p.actor_wg = SimpleNamespace(world_size=2, _dispatch_info={"actor": [0, 1]})
+    _score(p, buffer, _batch(ns, "ab"), {})
     assert list(calls[0].keys) == ["a_0", "a_1", "c_0", "c_1", "b_0", "b_1", "d_0", "d_1"]
     assert list(written[0]) == list(calls[0].keys)
-    t.local_trigger_step = 1
-    t.actor_rollout_wg._dispatch_info["actor"] = [1, 0]  # another layout: nothing to align with
-    t.ref_aggregator = RefAggregator()
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    p.actor_wg._dispatch_info["actor"] = [1, 0]  # another layout: nothing to align with
+    p.aggregator = RefAggregator()
+    _score(p, buffer, _batch(ns, "ab"), {}, trigger=1)
     assert list(calls[1].keys)[:4] == ["a_0", "a_1", "b_0", "b_1"]
+
+
+def test_a_worker_group_without_verls_dispatch_cache_fails_naming_the_verl_version():
+    from types import SimpleNamespace
+
+    from verl_tide.trainer.verl_compat import VerlChanged, dispatch_layout
+
+    with pytest.raises(VerlChanged, match=r"_dispatch_info .*verl 0\.9\.1"):
+        dispatch_layout(SimpleNamespace(world_size=2), "ref")
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
 
 
 def test_after_an_update_the_trained_and_evicted_samples_rows_are_discarded(monkeypatch):
     """Rows leave the service and every Ref rank's process once their samples trained or verl evicted them."""
     from types import SimpleNamespace
 
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
-
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "_update_actor", lambda self, b, m: b)  # unit only
-    t, ns, _ = _handoff_trainer(monkeypatch, mode="colocated")
+    p, buffer, ns, _ = _handoff_path(mode="colocated")
     discarded = []
-
-    class _Remote:
-        def __init__(self, fn):
-            self.remote = fn
-
-    t.ref_service = SimpleNamespace(discard=_Remote(lambda ids: discarded.append(list(ids))),
-                                    stats=_Remote(lambda: {"put": 8, "served": 2, "held": 0}),
-                                    take_kl=_Remote(lambda: 0.25))
+    p.service = SimpleNamespace(discard=_Remote(lambda ids: discarded.append(list(ids))),
+                                stats=_Remote(lambda: {"put": 8, "served": 2, "held": 0}),
+                                take_kl=_Remote(lambda: 0.25))
     ranks_told = []
-    t.ref_policy_wg = SimpleNamespace(discard_ref_handoff=lambda ids: ranks_told.append(list(ids)) or [
+    p.ref_wg = SimpleNamespace(discard_ref_handoff=lambda ids: ranks_told.append(list(ids)) or [
         {"put": 4, "served_in_process": 3, "held": 1}, {"put": 4, "served_in_process": 3, "held": 0}])
-    monkeypatch.setattr("ray.get", lambda x: x)
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})  # ids 0-3 own, 4-7 ahead (c, d)
-    t._forget_scored(["d_0", "d_1"])  # verl evicts group d before it trains
+    monkeypatch.setattr("ray.get", lambda x: x)  # unit only: the service is a stand-in, not a Ray actor
+    _score(p, buffer, _batch(ns, "ab"), {})  # ids 0-3 own, 4-7 ahead (c, d)
+    p.forget_scored(["d_0", "d_1"])  # verl evicts group d before it trains
     metrics = {}
-    t._update_actor(_batch(ns, "ab"), metrics)
+    p.update_actor(_batch(ns, "ab"), metrics, verl_update=lambda b, m: b)
     assert discarded == [[0, 1, 2, 3, 6, 7]] and ranks_told == discarded
-    counters = t._handoff_counters  # logged at the step boundary: verl averages a step's mini-batch metrics
+    counters = p.handoff_counters  # logged at the step boundary: verl averages a step's mini-batch metrics
     assert counters["tide/ra2p/handoff_served_in_process"] == 6.0 and counters["tide/ra2p/handoff_held"] == 1.0
     assert counters["tide/ra2p/handoff_ids_live"] == 2.0  # c_0, c_1: scored ahead, not trained yet
     assert metrics["actor/kl_loss"] == 0.25 and counters["tide/ra2p/ref_service_served"] == 2.0
-    assert t.ref_aggregator.scored == {"c_0", "c_1"}
+    assert p.aggregator.scored == {"c_0", "c_1"}
 
 
 def test_sample_ids_are_fresh_per_pass_and_released_once():
@@ -403,83 +402,71 @@ def test_split_ref_pass_keeps_verls_part_a_multiple_of_its_ranks():
         split_ref_pass(own, ahead, 0.5, 0)
 
 
-def _split_trainer(monkeypatch, replicas=1):
+def _split_path(replicas=1):
     """verl's Ref worker group (one rank) beside tide's Ref replicas, tide.ra2p.mode=split, the hand-off on."""
     from types import SimpleNamespace
 
     calls = []
-    t, ns, written = _handoff_trainer(monkeypatch, mode="split", ref_service=object())
-    t.ref_pool = _Pool(replicas=replicas)
-    t._ref_pool_wanted = False
-    t.ref_in_actor = False
-    t._ref_split_pending = []
-    t.ra2p_share = None
-    t.ref_policy_wg = SimpleNamespace(world_size=1, compute_ref_log_prob_handoff=calls.append)
-    t.actor_rollout_wg = SimpleNamespace(world_size=1)
-    return t, ns, written, calls
+    p, buffer, ns, written = _handoff_path(mode="split", ref_service=object())
+    p.pool = _Pool(replicas=replicas)
+    p.pool_wanted = False
+    p.ref_wg = SimpleNamespace(world_size=1, compute_ref_log_prob_handoff=calls.append)
+    return p, buffer, ns, written, calls
 
 
-def test_split_mode_gives_the_replicas_the_samples_scored_ahead_and_verl_the_mini_batch(monkeypatch):
+def test_split_mode_gives_the_replicas_the_samples_scored_ahead_and_verl_the_mini_batch():
     """Before any measurement the replicas' share is their share of the ranks that run Ref (1 of 2): the 4
     samples scored ahead go to the replica (started, not waited for), the mini-batch to verl's Ref worker
     group; each sample gets one id, written once."""
     from verl_tide.ra2p.cost import RA2PMode
 
-    t, ns, written, calls = _split_trainer(monkeypatch)
-    assert t._step_ra2p_mode() is RA2PMode.SPLIT
+    p, buffer, ns, written, calls = _split_path()
+    assert p.step_mode() is RA2PMode.SPLIT
     m = {}
-    t._compute_ref_log_prob(_batch(ns, "ab"), m)
+    _score(p, buffer, _batch(ns, "ab"), m)
     assert [list(c.keys) for c in calls] == [["a_0", "a_1", "b_0", "b_1"]]
-    assert t.ref_pool.passes == [["c_0", "c_1", "d_0", "d_1"]]
+    assert p.pool.passes == [["c_0", "c_1", "d_0", "d_1"]]
     assert m["tide/ra2p/ref_pass_samples_on_replicas"] == 4.0 and m["tide/ra2p/ref_pass_samples_ahead"] == 4.0
-    assert len(t._ref_split_pending) == 1  # collected after the Actor's update
+    assert len(p.split_pending) == 1  # collected after the Actor's update
     ids = {k: i for d in written for k, i in d.items()}
     assert sorted(ids.values()) == list(range(8)) and len(ids) == 8
-    assert t.ref_aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}  # the next mini-batch needs no pass
-    # the cost model's share: 3/4 of the next pass goes to the replica, the end of the mini-batch too
-    t2, ns2, _, calls2 = _split_trainer(monkeypatch)
-    t2.ra2p_share = 0.75
-    t2._compute_ref_log_prob(_batch(ns2, "ab"), {})
+    assert p.aggregator.scored == {"c_0", "c_1", "d_0", "d_1"}  # the next mini-batch needs no pass
+    # the planner's share: 3/4 of the next pass goes to the replica, the end of the mini-batch too
+    p2, buffer2, ns2, _, calls2 = _split_path()
+    p2.planner.share = 0.75
+    _score(p2, buffer2, _batch(ns2, "ab"), {})
     assert [list(c.keys) for c in calls2] == [["a_0", "a_1"]]
-    assert t2.ref_pool.passes == [["b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]]
+    assert p2.pool.passes == [["b_0", "b_1", "c_0", "c_1", "d_0", "d_1"]]
 
 
-def test_split_mode_without_a_replica_runs_colocated_on_verls_ref(monkeypatch):
+def test_split_mode_without_a_replica_runs_colocated_on_verls_ref():
     from verl_tide.ra2p.cost import RA2PMode
 
-    t, ns, _, calls = _split_trainer(monkeypatch, replicas=0)
-    assert t._step_ra2p_mode() is RA2PMode.COLOCATED  # ERS took the last replica back for rollout
+    p, buffer, ns, _, calls = _split_path(replicas=0)
+    assert p.step_mode() is RA2PMode.COLOCATED  # ERS took the last replica back for rollout
     m = {}
-    t._compute_ref_log_prob(_batch(ns, "ab"), m)
-    assert len(calls) == 1 and len(calls[0].keys) == 8 and t.ref_pool.passes == []
+    _score(p, buffer, _batch(ns, "ab"), m)
+    assert len(calls) == 1 and len(calls[0].keys) == 8 and p.pool.passes == []
     assert m["tide/ra2p/ref_pass_samples_on_replicas"] == 0.0
-    t.ref_pool.replicas.append(object())
-    t._handoff = False  # without the hand-off the Actor's loss could not take the replicas' rows
-    assert t._step_ra2p_mode() is RA2PMode.COLOCATED
+    p.pool.replicas.append(object())
+    p.handoff = False  # without the hand-off the Actor's loss could not take the replicas' rows
+    assert p.step_mode() is RA2PMode.COLOCATED
 
 
 def test_split_mode_collects_the_replicas_after_the_update_and_learns_their_rate(monkeypatch):
     from types import SimpleNamespace
 
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
-
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "_update_actor", lambda self, b, m: b)  # unit only
-    t, ns, _, _ = _split_trainer(monkeypatch)
-
-    class _Remote:
-        def __init__(self, fn):
-            self.remote = fn
-
-    t.ref_service = SimpleNamespace(discard=_Remote(lambda ids: None), stats=_Remote(lambda: {}),
-                                    take_kl=_Remote(lambda: None))
-    t.ref_policy_wg.discard_ref_handoff = lambda ids: []
-    monkeypatch.setattr("ray.get", lambda x: x)
-    t._compute_ref_log_prob(_batch(ns, "ab"), {})
+    p, buffer, ns, _, _ = _split_path()
+    p.service = SimpleNamespace(discard=_Remote(lambda ids: None), stats=_Remote(lambda: {}),
+                                take_kl=_Remote(lambda: None))
+    p.ref_wg.discard_ref_handoff = lambda ids: []
+    monkeypatch.setattr("ray.get", lambda x: x)  # unit only: the service is a stand-in, not a Ray actor
+    _score(p, buffer, _batch(ns, "ab"), {})
     metrics = {}
-    t._update_actor(_batch(ns, "ab"), metrics)
-    assert t._ref_split_pending == []
+    p.update_actor(_batch(ns, "ab"), metrics, verl_update=lambda b, m: b)
+    assert p.split_pending == []
     # the replica's rate (40 tokens in 0.1 s) is its own stage; verl's Ref pass keeps RA2P's t_ref
-    assert t.stage_timer.rate("ref_rank") == pytest.approx(0.1 / 40) and t.stage_timer.rate("ref") != 0.1 / 40
+    assert p.stage_timer.rate("ref_rank") == pytest.approx(0.1 / 40) and p.stage_timer.rate("ref") != 0.1 / 40
     assert metrics["tide/ra2p/ref_worker_s"] == pytest.approx(0.1) and metrics["tide/ra2p/ref_replicas_used"] == 1.0
 
 
@@ -489,32 +476,35 @@ def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoup
     Appendix A's grouping at verl's speed); split balances 3.3 - 0.8 s against 3.2 s + 0.2 at s = 0.775."""
     from types import SimpleNamespace
 
+    from verl_tide.config import parse_tide_config
     from verl_tide.ers.policy import Role
+    from verl_tide.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import RA2PMode, StageTimer
+    from verl_tide.trainer.boundary import boundary_inputs
 
-    t, _ = _trainer(mode="auto", ref_service=object())
-    t._handoff, t._ref_pool_wanted = True, False
-    t.ref_policy_wg = SimpleNamespace(world_size=4)
-    t.actor_rollout_wg = SimpleNamespace(world_size=4)
-    t.use_reference_policy = True
-    t.readiness = SimpleNamespace(last_ready_times=[0.0] * 8,
-                                  signals=lambda **kw: SimpleNamespace(tprm_smoothed=None))
-    t.ers = SimpleNamespace(ideal_batch=16)
-    t.rollout_roles = {0: Role.ROLLOUT, 1: Role.REF}
-    t.stage_timer = StageTimer()
+    timer = StageTimer()
     for stage, seconds in (("ref", 1.0), ("act_f", 1.0), ("act_b", 2.0), ("ref_rank", 4.0)):
-        t.stage_timer.observe(stage, 1000, seconds)
-    t.stage_timer.observe("swap", 0, 0.05)
-    m = {}
-    break_even, outlook = t._ra2p_decision(800, m)  # 8 micro-batches of 100 tokens
+        timer.observe(stage, 1000, seconds)
+    timer.observe("swap", 0, 0.05)
+    tide = parse_tide_config({})
+    planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=16)
+    no_tprm = lambda be: SimpleNamespace(tprm_smoothed=None)  # noqa: E731
+    roles = {0: Role.ROLLOUT, 1: Role.REF}
+    inputs = boundary_inputs(1, [0.0] * 8, 1, 800, timer, actor_ranks=4, fixed_ref_ranks=0, roles=roles,
+                             replicas_up=1, ref_beside_actor=True, uses_ref=True)  # 8 micro-batches of 100 tokens
+    decision = planner.decide(inputs, no_tprm)
+    assert planner.mode is RA2PMode.SPLIT and planner.share == pytest.approx(0.775)
+    assert decision.choice.colocated_s == pytest.approx(3.3)
+    assert decision.choice.decoupled_s == pytest.approx(3.4)
+    assert decision.choice.split_s == pytest.approx(3.3 - 0.8 * 0.775)
+    assert decision.break_even is None
+    from verl_tide.planner import _StepCosts
+
+    _, outlook = planner._for_ers(_StepCosts.of(inputs, None), inputs, no_tprm)
     needed, saving = outlook(2)  # what ERS asks when it weighs a move to Ref: up to both ranks
-    assert t.ra2p_mode is RA2PMode.SPLIT and t.ra2p_share == pytest.approx(0.775)
-    assert m["tide/ra2p/predicted_colocated_s"] == pytest.approx(3.3)
-    assert m["tide/ra2p/predicted_decoupled_s"] == pytest.approx(3.4)
-    assert m["tide/ra2p/predicted_split_s"] == pytest.approx(3.3 - 0.8 * 0.775)
-    assert break_even is None and needed == 1  # split pays from the first Ref rank
+    assert needed == 1  # split pays from the first Ref rank
     assert 0.0 < saving < 0.2  # a second replica: decoupled at 2.5 s against split's 2.68 s
     # without verl's Ref beside the replicas there is nothing to split with: no split candidate
-    t._ref_pool_wanted, t.ra2p_mode = True, None
-    t._ra2p_decision(800, m2 := {})
-    assert t.ra2p_mode is not RA2PMode.SPLIT and "tide/ra2p/predicted_split_s" not in m2
+    planner.mode = None
+    alone = boundary_inputs(1, [0.0] * 8, 1, 800, timer, 4, 0, roles, 1, False, True)
+    assert planner.decide(alone, no_tprm).choice.split_s is None and planner.mode is not RA2PMode.SPLIT

@@ -41,7 +41,7 @@ def test_import_verl_registers_trainer_tide(tmp_path):
         tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "verl_tide.trainer TideTrainer True" in proc.stdout
+    assert "verl_tide.trainer.tide TideTrainer True" in proc.stdout
 
 
 def test_without_the_entry_point_there_is_no_trainer_tide(tmp_path):

@@ -1,45 +1,56 @@
-"""Trainer `tide`'s decisions that need no running job (the job runs in test_tide_trainer_e2e.py)."""
+"""Trainer `tide`'s modules that need no running job (the job runs in test_tide_trainer_e2e.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 
-def _trainer_with_sync(monkeypatch, fail_first: bool):
-    """A TideTrainer shell whose parent weight sync (verl's separate_async `on_step_end`) is a stub that
-    fails once the way a dead rollout server fails it."""
-    import ray
-    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+def _health(quarantine_on_check: bool):
+    """Rank health over a pool whose ranks all answer; `check` records and, when asked, quarantines rank 1
+    (what it does when the rank's server is dead)."""
+    from types import SimpleNamespace
 
-    from verl_tide.trainer import TideTrainer
+    from verl_tide.trainer.rank_health import RankHealth
+
+    health = RankHealth(SimpleNamespace(get_replicas=list), SimpleNamespace(remove_replicas=list), ctb_enabled=True)
+    checks = []
+
+    def check(roles):
+        checks.append(dict(health.quarantined))
+        if quarantine_on_check:
+            health.quarantined[1] = "ActorDiedError"
+
+    health.check = check  # this unit: the health check itself runs against real servers in the fault test
+    return health, checks
+
+
+def _verl_sync(health, fail_first: bool):
+    import ray
 
     calls: list[int] = []
 
-    def parent_sync(self):
-        calls.append(len(self.quarantined))
+    def sync():
+        calls.append(len(health.quarantined))
         if fail_first and len(calls) == 1:
             raise ray.exceptions.ActorDiedError()
-
-    monkeypatch.setattr(PPOTrainerSeparateAsync, "on_step_end", parent_sync)  # a stub for this unit only
-    trainer = TideTrainer.__new__(TideTrainer)
-    trainer.quarantined = {}
-    return trainer, calls
+    return sync, calls
 
 
-def test_a_rank_dying_during_the_weight_sync_is_quarantined_and_the_others_synced(monkeypatch):
-    trainer, calls = _trainer_with_sync(monkeypatch, fail_first=True)
-    trainer._check_rollout_ranks = lambda: trainer.quarantined.update({1: "ActorDiedError"})
-    trainer._sync_weights()
+def test_a_rank_dying_during_the_weight_sync_is_quarantined_and_the_others_synced():
+    health, checks = _health(quarantine_on_check=True)
+    sync, calls = _verl_sync(health, fail_first=True)
+    health.sync_weights(sync, {})
     assert calls == [0, 1]  # failed with the dead rank, then synced the rest once it was quarantined
+    assert checks == [{}]
 
 
-def test_an_actor_error_that_is_not_a_dead_rollout_rank_is_not_swallowed(monkeypatch):
+def test_an_actor_error_that_is_not_a_dead_rollout_rank_is_not_swallowed():
     import ray
 
-    trainer, calls = _trainer_with_sync(monkeypatch, fail_first=True)
-    trainer._check_rollout_ranks = lambda: None  # every rollout rank answers
+    health, _ = _health(quarantine_on_check=False)  # every rollout rank answers
+    sync, calls = _verl_sync(health, fail_first=True)
     with pytest.raises(ray.exceptions.ActorDiedError):
-        trainer._sync_weights()
+        health.sync_weights(sync, {})
     assert calls == [0]
 
 
@@ -60,39 +71,42 @@ class _RecordingElastic:
         return 0.0
 
 
-def _resumed_trainer(restored: dict, elastic):
-    from types import SimpleNamespace
-
-    from verl_tide.ers.policy import Role
-    from verl_tide.trainer import TideTrainer
-
-    trainer = TideTrainer.__new__(TideTrainer)
-    trainer.tide_config = SimpleNamespace(ctb=SimpleNamespace(enabled=False))
-    trainer._restored_ctb_state = None
-    trainer._restored_roles = restored
-    trainer.rollout_roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
-    trainer.elastic = elastic
-    return trainer
-
-
 def test_ranks_that_were_ref_at_the_checkpoint_switch_to_ref_again_on_resume():
     from verl_tide.ers.policy import Role
+    from verl_tide.trainer.checkpoint import moves_to_restore, roles_of
+    from verl_tide.trainer.elastic_setup import switch_to_ref_at_start
 
     elastic = _RecordingElastic()
-    trainer = _resumed_trainer({0: Role.ROLLOUT, 2: Role.REF, 7: Role.REF}, elastic)  # rank 7 no longer exists
-    trainer._restore_ctb_and_roles()
+    roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.ROLLOUT}
+    state = {"rollout_roles": {"0": "rollout", "2": "ref", "7": "ref"}}  # rank 7 no longer exists
+    moves = moves_to_restore(roles_of(state), roles, have_elastic=True)
+    switch_to_ref_at_start(elastic, moves, roles)
     assert [(m.rank, m.src, m.dst) for m in elastic.moves[:-1]] == [(2, Role.ROLLOUT, Role.REF)]
     assert elastic.moves[-1] == "after_sync"  # step 1 waits until the replica is placed and loaded
-    assert trainer.rollout_roles == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
+    assert roles == {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
 
 
 def test_without_a_ref_pool_restored_ref_roles_start_as_rollout_with_a_warning(capsys):
     from verl_tide.ers.policy import Role
+    from verl_tide.trainer.checkpoint import moves_to_restore
 
-    trainer = _resumed_trainer({1: Role.REF}, None)
-    trainer._restore_ctb_and_roles()
-    assert all(r is Role.ROLLOUT for r in trainer.rollout_roles.values())
+    roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT}
+    assert moves_to_restore({1: Role.REF}, roles, have_elastic=False) == []
+    assert all(r is Role.ROLLOUT for r in roles.values())
     assert "every rank starts as rollout" in capsys.readouterr().out
+
+
+def test_ers_cooldowns_survive_a_checkpoint_in_the_new_and_the_old_format():
+    from verl_tide.config import parse_tide_config
+    from verl_tide.ers.policy import ERSPolicy, Role
+
+    ers = ERSPolicy(parse_tide_config({}).ers, ideal_batch=8)
+    ers._last_moved = {3: (5, Role.ROLLOUT)}
+    again = ERSPolicy(parse_tide_config({}).ers, ideal_batch=8)
+    again.load_state_dict(ers.state_dict())
+    assert again._last_moved == {3: (5, Role.ROLLOUT)}
+    again.load_state_dict({"last_moved": {"1": [2, "ref"]}})  # what tide_state.json held as "ers_last_moved"
+    assert again._last_moved == {1: (2, Role.REF)}
 
 
 def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
@@ -101,11 +115,11 @@ def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
     from omegaconf import OmegaConf
 
     from verl_tide.config import parse_tide_config
-    from verl_tide.trainer import TideTrainer
+    from verl_tide.trainer import ideal_batch
 
     job = OmegaConf.create({"data": {"train_batch_size": 16}, "actor_rollout_ref": {"rollout": {"n": 8}}})
-    assert TideTrainer.ideal_batch(parse_tide_config({}), job) == 128
-    assert TideTrainer.ideal_batch(parse_tide_config({"ers": {"ideal_batch": 40}}), job) == 40
+    assert ideal_batch(parse_tide_config({}), job) == 128
+    assert ideal_batch(parse_tide_config({"ers": {"ideal_batch": 40}}), job) == 40
 
 
 def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
@@ -114,38 +128,63 @@ def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
     mode's wait and flatter decoupled mode's pipelining)."""
     from types import SimpleNamespace
 
-    from omegaconf import OmegaConf
+    from verl_tide.config import parse_tide_config
+    from verl_tide.planner import BoundaryPlanner
+    from verl_tide.ra2p.cost import StageTimer, colocated_cost, decoupled_cost
+    from verl_tide.trainer.boundary import boundary_inputs
 
-    from verl_tide.ra2p.cost import RA2PMode, StageTimer, colocated_cost, decoupled_cost
-    from verl_tide.readiness import ReadinessTracker
-    from verl_tide.trainer import TideTrainer
-
-    trainer = TideTrainer.__new__(TideTrainer)
-    trainer.config = OmegaConf.create({"data": {"train_batch_size": 8}})
-    trainer.parameter_sync_step = 2  # mini-batches of 4 groups
-    trainer.readiness = ReadinessTracker(clock=lambda: 0.0)
-    trainer.readiness.last_ready_times = [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0, 30.0]
-    trainer.use_reference_policy = True
-    trainer.stage_timer = StageTimer()
+    timer = StageTimer()
     for stage, seconds in (("ref", 1.0), ("act_f", 1.0), ("act_b", 2.0), ("swap", 0.5)):
-        trainer.stage_timer.observe(stage, 100, seconds)
-    trainer.actor_rollout_wg = SimpleNamespace(world_size=1)
-    trainer.ref_pool = None
-    trainer._handoff, trainer._ref_pool_wanted = False, False
-    trainer.ra2p_mode, trainer.ra2p_share = RA2PMode.COLOCATED, None
-    trainer.tide_config = SimpleNamespace(ra2p=SimpleNamespace(mode="auto", hysteresis=0.1, ref_ranks=0),
-                                          ers=SimpleNamespace(tau=1.0))
-    trainer.ers = SimpleNamespace(ideal_batch=16)
-    trainer.rollout_roles = {}
-    metrics: dict = {}
-    trainer._ra2p_decision(step_tokens=800, m=metrics)
-
-    times = trainer.stage_timer.stage_times(100)
+        timer.observe(stage, 100, seconds)
+    per_group = [0.0, 1.0, 2.0, 10.0, 11.0, 12.0, 13.0, 30.0]
+    # trainer tide's adapter: 8 groups a step in mini-batches of 4, one Actor rank, Ref on 1 replica of its own
+    inputs = boundary_inputs(1, per_group, 4, 800, timer, actor_ranks=1, fixed_ref_ranks=1, roles={},
+                             replicas_up=1, ref_beside_actor=False, uses_ref=True)
+    tide = parse_tide_config({})
+    decision = BoundaryPlanner.build(tide.ra2p, tide.ers, 16).decide(inputs, lambda be: SimpleNamespace(
+        tprm_smoothed=None))
+    times = timer.stage_times(100)
     as_trained = [10.0] * 4 + [30.0] * 4  # each mini-batch when its last group was ready
-    assert metrics["tide/ra2p/predicted_colocated_s"] == pytest.approx(colocated_cost(as_trained, times, 8))
-    assert metrics["tide/ra2p/predicted_decoupled_s"] == pytest.approx(decoupled_cost(as_trained, times, 1))
-    per_group = trainer.readiness.last_ready_times
+    assert decision.choice.colocated_s == pytest.approx(colocated_cost(as_trained, times, 8))
+    assert decision.choice.decoupled_s == pytest.approx(decoupled_cost(as_trained, times, 1))
     assert colocated_cost(per_group, times, 8) != pytest.approx(colocated_cost(as_trained, times, 8))
+
+
+def test_a_measured_swap_reaches_the_cost_model_and_can_change_the_chosen_mode():
+    """RA2P's swap term: colocated mode swaps Ref and Actor around each aggregated Ref pass, decoupled never. The
+    trainer feeds the swap its workers measured (trainer/boundary.py); with the swap it used to log (always 0)
+    the Ref on the Actor's GPUs wins here, with a measured 2 s swap decoupled mode does."""
+    from types import SimpleNamespace
+
+    from verl_tide.config import parse_tide_config
+    from verl_tide.planner import BoundaryPlanner
+    from verl_tide.ra2p.cost import RA2PMode, StageTimer
+    from verl_tide.trainer.boundary import boundary_inputs, observe_stage_times
+
+    tide = parse_tide_config({})
+
+    def mode_with(swap_s):
+        # 4 micro-batches of 100 tokens ready at the start; verl's Ref on the Actor's rank 0.1 s each, the one
+        # Ref replica 2 s each (slow): decoupled ~9 s; colocated (or split) 6.4 s plus two swaps
+        timer = StageTimer()
+        timer.observe("ref", 100, 0.1)
+        timer.observe("ref_rank", 100, 2.0)
+        observe_stage_times(timer, {"old_log_prob": 0.5, "update_actor": 1.5}, 100, swap_s)
+        planner = BoundaryPlanner.build(tide.ra2p, tide.ers, 16)
+        inputs = boundary_inputs(1, [0.0] * 4, 1, 400, timer, 1, 0, {}, 1, True, True)
+        planner.decide(inputs, lambda be: SimpleNamespace(tprm_smoothed=None))
+        return planner.mode, timer.rate("swap")
+
+    zero, measured = mode_with(0.0), mode_with(2.0)
+    assert zero[0] is not RA2PMode.DECOUPLED and zero[1] == 0.0
+    assert measured == (RA2PMode.DECOUPLED, 2.0)
+    # not measured this step: the last measurement stands (0 only before any)
+    timer = StageTimer()
+    observe_stage_times(timer, {}, 100, None)
+    assert timer.rate("swap") == 0.0
+    observe_stage_times(timer, {}, 100, 0.4)
+    observe_stage_times(timer, {}, 100, None)
+    assert timer.rate("swap") == pytest.approx(0.2 * 0.4)
 
 
 def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys):
@@ -153,48 +192,40 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     the model's weights-to-KV ratio from its Hugging Face config, and says the standing advice once."""
     import dataclasses
     import json
-    from types import SimpleNamespace
 
     from omegaconf import OmegaConf
     from prometheus_client import generate_latest
 
-    from verl_tide.ers.advice import SplitAdvisor
     from verl_tide.ers.policy import Role
     from verl_tide.metrics import TideMetrics
     from verl_tide.readiness import ReadinessSignals
-    from verl_tide.trainer import TideTrainer
+    from verl_tide.trainer.reporting import SplitAdviceReport
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
         "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}))
-    trainer = TideTrainer.__new__(TideTrainer)
-    trainer.config = OmegaConf.create({
+    config = OmegaConf.create({
         "actor_rollout_ref": {"rollout": {"nnodes": 1, "n_gpus_per_node": 4}, "model": {"path": str(tmp_path)}},
         "trainer": {"nnodes": 1, "n_gpus_per_node": 12, "test_freq": 0}})
-    trainer.rollout_roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT}  # 2 replicas of 2 GPUs
-    trainer.quarantined = {}
-    trainer.tide_config = SimpleNamespace(ra2p=SimpleNamespace(ref_ranks=0),
-                                          ers=SimpleNamespace(split_advice_kv_bound=0.5))
-    trainer.ers = SimpleNamespace(ideal_batch=400)
-    trainer.split_advisor, trainer._eval_in_cycle, trainer._weight_kv_tokens = SplitAdvisor(), False, None
-    trainer.overlapped_eval, trainer.global_steps, trainer.total_training_steps = None, 3, 10
-    trainer.tide_metrics = TideMetrics()
+    exporter = TideMetrics()
+    report = SplitAdviceReport(config, ideal_batch=400, kv_bound=0.5, fixed_ref_ranks=0, exporter=exporter)
+    roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT}  # 2 replicas of 2 GPUs
     # decode-bound (no work waited for KV; 400k tokens of context in flight per replica, the weights ~266k)
     signals = ReadinessSignals(0, None, None, 0.0, 0, 40.0, True, False, 0.0, 60.0, rollout_capacity_rate=4.0,
                                rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0)
-    first = trainer._split_advice(signals)
+    first = report.update(signals, roles, {}, 3, False)
     assert first["tide/ers/advised_rollout_gpus"] == 4.0  # one cycle does not stand
     assert first["tide/rollout/kv_bound"] == 0.0 and first["tide/rollout/decode_context_tokens"] == 400_000.0
-    assert trainer._weight_kv_tokens == pytest.approx(265_600.0)
-    second = trainer._split_advice(signals)
+    assert report.weight_kv_tokens == pytest.approx(265_600.0)
+    second = report.update(signals, roles, {}, 3, False)
     # 1 seq/s per rollout GPU, 400 / 40 s / 12 = 0.833 per trainer GPU: 7 of 16 balance, 8 in whole replicas
     assert second["tide/ers/advised_rollout_gpus"] == 8.0
-    trainer._split_advice(signals)
+    report.update(signals, roles, {}, 3, False)
     assert capsys.readouterr().out.count("ERS split advice") == 1  # said when it changes
-    body = generate_latest(trainer.tide_metrics.registry).decode()
+    body = generate_latest(exporter.registry).decode()
     assert 'tide_ers_split_advice{quantity="advised_rollout_gpus"} 8.0' in body
     assert 'tide_ers_split_advice{quantity="rollout_gpus"} 4.0' in body
     light = dataclasses.replace(signals, rollout_decode_context=100_000.0)  # the weights dominate: no estimate
     for _ in range(3):
-        last = trainer._split_advice(light)
+        last = report.update(light, roles, {}, 3, False)
     assert last["tide/ers/advised_rollout_gpus"] == 4.0

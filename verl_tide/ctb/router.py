@@ -33,7 +33,7 @@ from verl_tide.config import parse_tide_config
 from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.ctb.ids import group_of, is_eval_request
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
-from verl_tide.metrics import EngineMetrics
+from verl_tide.engine_metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 MAX_FINISH_TIMES = 100_000  # groups whose finish time is kept until the trainer asks for it
@@ -321,10 +321,10 @@ class CTBLoadBalancer:
     def _start_metrics(self, host: str, port: int, interval_s: float) -> None:
         """Serve Prometheus `/metrics` (CTB per-rank tokens and budgets, task states, decisions,
         outcomes, and each engine's prefix-cache hit rate since start-up), refreshed every interval."""
-        from verl_tide.metrics import TideMetrics, prefix_hit_rate
+        from verl_tide.engine_metrics import prefix_hit_rate
+        from verl_tide.metrics import TideMetrics
 
-        self._metrics = TideMetrics()
-        server, _ = self._metrics.serve(host, port)
+        self._metrics, server = TideMetrics.start(host, port, who="CTB router")
         self.metrics_url = f"http://{host}:{server.server_address[1]}/metrics"
         first: dict[str, EngineMetrics] = {}
 

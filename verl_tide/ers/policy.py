@@ -210,6 +210,13 @@ class ERSPolicy:
                     f"{self.config.min_ref_gain:.1%}")
         return ""
 
+    def state_dict(self) -> dict:
+        """What a resumed job needs to keep ERS's cooldowns: each rank's last move (step, role it left)."""
+        return {"last_moved": {str(r): [s, role.value] for r, (s, role) in self._last_moved.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._last_moved = {int(r): (int(s), Role(role)) for r, (s, role) in state.get("last_moved", {}).items()}
+
     def cancel(self, plan: ScalingPlan) -> None:
         """The plan's moves were not carried out (the job ends, or no rank can host Ref): no cooldown from them."""
         for m in plan.moves:

@@ -13,6 +13,7 @@ trainer `tide` asked TransferQueue for without them. Thin verl adapter.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
@@ -50,6 +51,11 @@ class TideRefWorker(DetachActorWorker):
         return TensorDict({}, batch_size=[])  # no batch dimension: verl's bridge writes nothing to TransferQueue
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def measure_swap(self) -> float:
+        """One load + offload of the Ref model (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
+        return swap_cycle_seconds(self.ref.engine, train=False)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def discard_ref_handoff(self, sample_ids: list[int]) -> dict[str, Any]:
         """Rows of trained (or evicted) samples leave the process; returns the process's hand-off counters."""
         PROCESS_HANDOFF.discard(sample_ids)
@@ -57,7 +63,33 @@ class TideRefWorker(DetachActorWorker):
         return {**PROCESS_HANDOFF.stats(), **PROCESS_INPUTS.stats()}
 
 
+def swap_cycle_seconds(engine: Any, train: bool) -> float:
+    """Seconds verl's engine takes to bring its offloaded state onto the device and offload it again: what its mode
+    context (`BaseEngineCtx._context_switch`, verl 0.9.1) does around every pass when Ref and Actor share a GPU.
+    0.0 when nothing is offloaded: the model stays resident and no pass swaps it."""
+    from verl.utils.device import get_device_name, get_torch_device
+
+    model = bool(engine.is_param_offload_enabled)
+    optimizer = bool(train and engine.is_optimizer_offload_enabled)
+    if not (model or optimizer):
+        return 0.0
+    device = get_torch_device()
+    start = time.perf_counter()
+    engine.to(device=get_device_name(), model=model, optimizer=optimizer, grad=False)
+    if hasattr(device, "synchronize"):
+        device.synchronize()
+    engine.to(device="cpu", model=model, optimizer=optimizer, grad=False)
+    if hasattr(device, "synchronize"):
+        device.synchronize()
+    return time.perf_counter() - start
+
+
 class TideActorWorker(DetachActorWorker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def measure_swap(self) -> float:
+        """One load + offload of the Actor's state (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
+        return swap_cycle_seconds(self.actor.engine, train=True)
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
         """verl's update; with the inputs hand-off, the input fields this process's Ref pass read go back into

@@ -21,6 +21,7 @@ actor update per second of simulated wall-clock time.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import random
@@ -33,9 +34,9 @@ from typing import Optional
 from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
-from verl_tide.ers.policy import ERSPolicy, Phase, Role
-from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimes, choose_mode, colocated_cost,
-                                 decoupled_break_even_ras, decoupled_cost, global_batch_cost, ref_rank_outlook,
+from verl_tide.ers.policy import ERSPolicy, Phase, Role  # noqa: F401  (ERSPolicy: mini_batches)
+from verl_tide.planner import BoundaryInputs, BoundaryPlanner, StageRates
+from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  split_cost, streaming_swap_cost)
 from verl_tide.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
@@ -189,13 +190,16 @@ class Simulation:
         self.trainer_free_at = 0.0  # end of the last update + sync
         self.step_open: Optional[dict] = None
         self.tracker = ReadinessTracker(clock=lambda: self.t)
-        self.ers = ERSPolicy(tide_ers, ideal_batch=self.B) if spec.elastic else None
+        # the step-boundary decision, as trainer tide makes it (verl_tide/planner.py); RA2P's aggregation cap is
+        # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
+        self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
+                                             tide_ers, self.B, elastic=spec.elastic)
+        self.ers = self.planner.ers
         self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
         self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
-        self._ra2p_mode = RA2PMode.COLOCATED
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
         self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
@@ -377,16 +381,11 @@ class Simulation:
         return StageTimes(t_ref, tokens_per_mb * c.act_f_s_per_token / t, tokens_per_mb * c.act_b_s_per_token / t,
                           c.swap_s)
 
-    def _choose_ra2p_mode(self) -> ModeChoice:
-        """RA2P per step, as production does it: the cost model on the last step's ready times and measured
-        stage times; decoupled and split need Ref ranks (ERS gives them)."""
-        if not self.ref_ranks or not self.tracker.last_ready_times:
-            return ModeChoice(RA2PMode.COLOCATED, 0.0, 0.0, "no Ref ranks")
-        tokens = self._last_tokens_per_mb
-        dec = self._stage_times(tokens, len(self.ref_ranks))
-        return choose_mode(self.tracker.last_ready_times, dec, 1, self.spec.max_aggregate, previous=self._ra2p_mode,
-                           hysteresis=self.tide_ra2p.hysteresis, colocated_times=self._stage_times(tokens),
-                           split_ref_t_ref=dec.t_ref)
+    def _step_ra2p_mode(self) -> RA2PMode:
+        """The mode the planner chose at the last boundary; decoupled and split need Ref ranks (ERS gives them)."""
+        if not self.ref_ranks or self.planner.mode is None:
+            return RA2PMode.COLOCATED
+        return self.planner.mode
 
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:
@@ -405,11 +404,9 @@ class Simulation:
             if self._hybrid_on:
                 self._hybrid(wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
-            choice = self._choose_ra2p_mode() if self.spec.consume == "ra2p" else None
-            mode = choice.mode if choice else None
-            self._ra2p_mode = mode or self._ra2p_mode
+            mode = self._step_ra2p_mode() if self.spec.consume == "ra2p" else None
             self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode,
-                              "share": choice.ref_share if choice else 0.0}
+                              "share": (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0}
             self.tracker.step_started(t=start)
         step = self.step_open
         while self.micro_batches and len(step["mbs"]) < self._step_M:
@@ -490,8 +487,8 @@ class Simulation:
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
-        if self.ers is not None:
-            rec.plan = self._apply_ers(end, sync_end, times, eval_next)
+        if self.ers is not None or self.spec.consume == "ra2p":
+            rec.plan = self._decide(end, sync_end, eval_next)
         for rr in self.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:
@@ -502,32 +499,37 @@ class Simulation:
     def _swaps(mode: str, m: int) -> int:
         return {"global": 2, "stream_swap": 2 * m, "decoupled": 0}.get(mode, 2)
 
-    def _apply_ers(self, end: float, sync_end: float, times: StageTimes, eval_next: bool) -> str:
+    def boundary_inputs(self) -> BoundaryInputs:
+        """The planner's inputs, as trainer tide's adapter builds them (trainer/boundary.py) from what it measures:
+        the last step's ready times, its tokens, the per-token stage rates (here the modeled ones: the Actor's
+        passes spread over its data-parallel ranks, one Ref rank's forward), and the Ref ranks ERS lent."""
+        c, t = self.costs, self.actor_ranks
+        ready = tuple(self.tracker.last_ready_times)
+        rates = StageRates(c.ref_s_per_token / t, c.act_f_s_per_token / t, c.act_b_s_per_token / t, c.swap_s,
+                           ref_rank=c.ref_s_per_token) if self._last_tokens_per_mb else None
+        return BoundaryInputs(step=self.consumed_steps, ready_times=ready, units_per_mini_batch=1,
+                              step_tokens=self._last_tokens_per_mb * len(ready), rates=rates, actor_ranks=t,
+                              elastic_ref_ranks=len(self.ref_ranks), replicas_up=len(self.ref_ranks),
+                              ref_beside_actor=True, uses_ref=self.spec.consume == "ra2p")
+
+    def _decide(self, end: float, sync_end: float, eval_next: bool) -> str:
+        """The planner at the post-update boundary (RA2P's next mode, ERS's plan), then ERS's moves."""
         roles = {r: Role.ROLLOUT for r in self.ranks} | {r: Role.REF for r in self.ref_ranks}
-        tprm = self.tracker.signals(self.B, self.ers_cfg.tau, t=end).tprm_smoothed
-        break_even = None
-        if tprm is not None:
-            would_have = max(len(self.ref_ranks), math.ceil(self.actor_ranks / self.tide_ra2p.actors_per_ref_rank))
-            times = self._stage_times(self._last_tokens_per_mb, would_have)
-            break_even = decoupled_break_even_ras(self.M, tprm, times, 1, self.spec.max_aggregate)
-        signals = self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=break_even, t=end)
-        phase = Phase.EVAL if eval_next else Phase.TRAIN
+        t0 = time.perf_counter()
+        decision = self.planner.decide(
+            self.boundary_inputs(),
+            lambda be: self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=be, t=end),
+            roles if self.ers is not None else None, Phase.EVAL if eval_next else Phase.TRAIN)
+        self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # RA2P's choice and ERS's plan together
+        if self.ers is None:
+            return decision.choice.reason if decision.choice else "RA2P: nothing measured yet"
         if not self._eval_in_cycle:  # an evaluation's rollout starves the trainer by design: no advice from it
-            advice = advise_split(signals, len(self.ranks), self.actor_ranks + len(self.ref_ranks), self.B,
+            advice = advise_split(decision.signals, len(self.ranks), self.actor_ranks + len(self.ref_ranks), self.B,
                                   self.costs.weight_bytes / self.costs.kv_bytes_per_token,
                                   self.ers_cfg.split_advice_kv_bound)
             self.split_advice = self.advisor.update(advice) or self.split_advice
         self._eval_in_cycle = eval_next
-        t0 = time.perf_counter()
-        outlook = None
-        if self.tracker.last_ready_times and self._last_tokens_per_mb:
-            tok, ready, have = self._last_tokens_per_mb, self.tracker.last_ready_times, len(self.ref_ranks)
-
-            def outlook(reach: int) -> tuple[Optional[int], Optional[float]]:
-                return ref_rank_outlook(ready, lambda k: self._stage_times(tok, k), self._stage_times(tok),
-                                        self.spec.max_aggregate, have, reach, split=True)
-        plan = self.ers.plan(self.consumed_steps, signals, roles, phase, ref_outlook=outlook)
-        self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # the outlook included, when the plan asks it
+        plan = decision.plan
         # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
         self._step_M = ERSPolicy.mini_batches(plan.batch_size, self.mb_size, self.M)
         rec_moves = self.step_records[-1].moves

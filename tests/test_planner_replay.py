@@ -1,0 +1,81 @@
+"""One decision path: the step-boundary decision (RA2P's mode and split share, the break-even RAS, ERS's plan) is
+`verl_tide.planner`, called by trainer `tide` (through trainer/boundary.py) and by the simulator. A trace the
+simulator records replays through the planner as trainer `tide` builds it, from inputs built by the trainer's
+own adapter, to the same decisions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from verl_tide.config import parse_tide_config
+from verl_tide.ers.policy import Role
+from verl_tide.planner import BoundaryPlanner, replay
+from verl_tide.ra2p.cost import StageTimer
+from verl_tide.sim.cluster import Simulation, SystemSpec
+from verl_tide.sim.workload import load_workload
+from verl_tide.trainer.boundary import boundary_inputs
+
+TIDE = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval_blocks_trainer=False, elastic=True)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    """WebShop on 8 GPUs, 12 steps: ERS lends and returns ranks, RA2P runs colocated and split."""
+    sim = Simulation(dataclasses.replace(load_workload("webshop"), steps=12), 8, TIDE)
+    sim.planner.trace = []
+    sim.run()
+    return sim, sim.planner.trace
+
+
+def _as_trainer_builds_it(sim: Simulation) -> BoundaryPlanner:
+    """TideTrainer.__init__'s construction, for a job with the simulated system's settings."""
+    tide = parse_tide_config({"ra2p": {"max_aggregate": TIDE.max_aggregate}})
+    return BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=sim.B)
+
+
+def test_the_trace_exercises_every_decision(recorded):
+    _, trace = recorded
+    assert len(trace) == 11  # one boundary after every step but the last
+    modes = {rec.decision["mode"] for rec in trace}
+    assert {"colocated", "split"} <= modes
+    assert any(rec.decision["plan"][0] for rec in trace)  # ERS moved ranks
+    assert any(rec.decision["break_even"] is not None for rec in trace)
+
+
+def test_the_trainers_adapter_builds_the_inputs_the_simulator_decided_on(recorded):
+    """The trainer's adapter, fed what a running job measures (ready times, stage rates observed by its
+    StageTimer, the ranks' roles), gives exactly the simulator's inputs."""
+    sim, trace = recorded
+    rates = trace[0].inputs.rates
+    timer = StageTimer()
+    for stage, seconds in (("ref", rates.ref), ("act_f", rates.act_f), ("act_b", rates.act_b),
+                           ("ref_rank", rates.ref_rank)):
+        timer.observe(stage, 1, seconds)  # one token: the rate is the seconds, exactly
+    timer.observe("swap", 0, rates.swap_s)
+    for rec in trace:
+        roles = rec.roles
+        ref_ranks = sum(r is Role.REF for r in roles.values())
+        built = boundary_inputs(rec.inputs.step, rec.inputs.ready_times, 1, rec.inputs.step_tokens, timer,
+                                sim.actor_ranks, 0, roles, ref_ranks, ref_beside_actor=True, uses_ref=True)
+        assert built == rec.inputs
+
+
+def test_the_trace_replays_to_the_same_decisions_through_the_trainers_planner(recorded):
+    sim, trace = recorded
+    assert replay(_as_trainer_builds_it(sim), trace) == [rec.decision for rec in trace]
+
+
+def test_a_planner_that_decides_differently_does_not_replay(recorded):
+    """The comparison can fail: a trainer built with other RA2P settings (a higher hysteresis; verl-tide's default
+    aggregation cap instead of the simulated system's) decides differently on the same trace."""
+    sim, trace = recorded
+    for change in ({"hysteresis": 0.5}, {"max_aggregate": None}):
+        other = _as_trainer_builds_it(sim)
+        other.ra2p = dataclasses.replace(other.ra2p, **change)
+        try:
+            decisions = replay(other, trace)
+        except KeyError:  # it asked for readiness signals the recorded run never computed
+            continue
+        assert decisions != [rec.decision for rec in trace], change

@@ -1,0 +1,109 @@
+"""Trainer `tide`'s adapter to the step-boundary planner (`verl_tide.planner`): what the running job measured,
+as the planner's inputs, and the plan applied to the elastic ranks.
+
+Why apart: these are the only lines where the trainer's state becomes decision inputs. Keeping them as
+plain functions of plain values lets the planner replay test (tests/test_planner_replay.py) run the
+trainer's adapter without a verl job, beside the simulator's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any, Optional
+
+from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
+from verl_tide.planner import BoundaryDecision, BoundaryInputs, StageRates
+from verl_tide.ra2p.cost import StageTimer
+
+
+def observe_stage_times(timer: StageTimer, timing_raw: Mapping[str, float], step_tokens: int,
+                        swap_s: Optional[float]) -> None:
+    """The Actor's per-token rates from verl's step timers (Ref's are observed where each Ref pass runs), and one
+    Ref<->Actor swap as the Actor's workers measured it (None: not measured this step, e.g. no colocated Ref)."""
+    if step_tokens <= 0:
+        return
+    if "old_log_prob" in timing_raw:
+        timer.observe("act_f", step_tokens, timing_raw["old_log_prob"])
+    if "update_actor" in timing_raw:
+        # update = forward + backward; the backward share is what is left after a forward pass
+        timer.observe("act_b", step_tokens, max(timing_raw["update_actor"] - timing_raw.get("old_log_prob", 0.0), 0.0))
+    if swap_s is not None:
+        timer.observe("swap", 0, swap_s)
+    elif timer.rate("swap") is None:
+        # Ref and Actor never swapped (no Ref on the Actor's ranks): a swap costs nothing the cost model can save
+        timer.observe("swap", 0, 0.0)
+
+
+def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_batch: int, step_tokens: int,
+                    timer: StageTimer, actor_ranks: int, fixed_ref_ranks: int, roles: Mapping[int, Role],
+                    replicas_up: int, ref_beside_actor: bool, uses_ref: bool) -> BoundaryInputs:
+    """The planner's inputs from what trainer `tide` holds at the post-update boundary: the readiness tracker's
+    ready times of the last step (per GRPO group), verl's mini-batch size in groups, the ledger's consumed tokens,
+    the stage timer's rates, and the ranks in each role."""
+    return BoundaryInputs(
+        step=step, ready_times=tuple(ready_times), units_per_mini_batch=groups_per_mini_batch,
+        step_tokens=step_tokens, rates=StageRates.from_timer(timer), actor_ranks=actor_ranks,
+        fixed_ref_ranks=fixed_ref_ranks, elastic_ref_ranks=sum(r is Role.REF for r in roles.values()),
+        replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref)
+
+
+def ers_phase(global_steps: int, total_steps: int, test_freq: int, overlapped_eval: bool) -> Phase:
+    """Evaluation starts after this step's sync and runs during the next step's rollout: ERS allocates rollout for
+    it ahead of time (preemptive rollout allocation)."""
+    last = global_steps >= total_steps
+    if overlapped_eval and test_freq > 0 and global_steps % test_freq == 0 and not last:
+        return Phase.EVAL
+    return Phase.TRAIN
+
+
+def apply_plan(plan: ScalingPlan, ers: ERSPolicy, elastic: Any, roles: MutableMapping[int, Role],
+               last_step: bool) -> tuple[list[Any], str]:
+    """Move the plan's ranks (before the weight sync); (applied moves, what happened). The policy plans moves
+    only when elastic ranks exist. On the last step nothing moves and the plan is cancelled (no cooldown)."""
+    if not plan.moves:
+        return [], "nothing to move"
+    if last_step:
+        ers.cancel(plan)
+        return [], "not applied: last step"
+    applied = elastic.before_sync(plan.moves)
+    for move in applied:
+        roles[move.rank] = move.dst
+    return applied, "applied: " + "; ".join(
+        f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} requests re-sent)" for a in applied)
+
+
+def roles_metrics(applied: Sequence[Any], roles: Mapping[int, Role]) -> dict[str, float]:
+    return {
+        "tide/ers/moves_applied": float(len(applied)),
+        "tide/ers/ranks_rollout": float(sum(r is Role.ROLLOUT for r in roles.values())),
+        "tide/ers/ranks_ref": float(sum(r is Role.REF for r in roles.values())),
+        "tide/ers/switch_s": float(sum(a.seconds for a in applied)),
+        "tide/ers/requests_resent": float(sum(a.requests_resent for a in applied)),
+    }
+
+
+def decision_metrics(decision: BoundaryDecision, step_tokens: int, timer: StageTimer) -> dict[str, float]:
+    """What the step logs of the boundary's decision: the cost model's predictions, the readiness signals it read,
+    and ERS's plan."""
+    signals, plan = decision.signals, decision.plan
+    m = {"tide/ledger/step_tokens_consumed": float(step_tokens),
+         "tide/ra2p/swap_s": float(timer.rate("swap") or 0.0)}
+    if decision.choice is not None:
+        m["tide/ra2p/predicted_decoupled_s"] = decision.choice.decoupled_s
+        m["tide/ra2p/predicted_colocated_s"] = decision.choice.colocated_s
+        if decision.choice.split_s is not None:
+            m["tide/ra2p/predicted_split_s"] = decision.choice.split_s
+    m.update({
+        "tide/readiness/ready_at_start": float(signals.ready_at_start),
+        "tide/readiness/tprm_s": float(signals.tprm_smoothed or 0.0),
+        "tide/readiness/hol_latency_s": float(signals.hol_latency),
+        "tide/readiness/ready_volume": float(signals.ready_volume),
+        "tide/readiness/rwt_s": float(signals.rollout_wait_s),
+        "tide/readiness/twt_s": float(signals.trainer_wait_s),
+    })
+    if signals.rollout_utilization is not None:  # unknown without CTB's router
+        m["tide/readiness/rollout_utilization"] = float(signals.rollout_utilization)
+    if plan is not None:
+        m["tide/ers/planned_moves"] = float(len(plan.moves))
+        m["tide/ers/elastic_batch"] = float(plan.batch_size)
+    return m

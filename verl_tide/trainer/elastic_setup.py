@@ -1,0 +1,86 @@
+"""Where Ref runs at start-up: which roles trainer `tide` asks verl to build, and the elastic ranks that start as
+Ref. Checked before verl builds any worker group, so a layout that cannot run fails with the keys to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from verl_tide.config import TideConfig, TideConfigError
+from verl_tide.ers.policy import RankMove, Role
+
+
+@dataclass(frozen=True)
+class RefLayout:
+    pool_wanted: bool  # tide's Ref replicas replace verl's Ref worker group
+    beside_verl_ref: bool  # tide's Ref replicas (fixed or elastic) beside verl's Ref worker group
+
+
+def ref_layout(tide: TideConfig, uses_ref: bool, handoff: bool) -> RefLayout:
+    """With tide's own Ref replicas verl must not build its Ref worker group. Split mode keeps verl's Ref worker
+    group beside tide's replicas (fixed or elastic): both score shares. verl's Ref stays on the trainer's GPUs
+    (colocated) and ERS may lend rollout ranks to Ref replicas (decoupled) when tide.ers.max_ref_ranks >= 1 opts
+    in: each holds a whole Ref model beside the engine."""
+    ers, ref_ranks = tide.ers, tide.ra2p.ref_ranks
+    split = tide.ra2p.mode == "split"
+    elastic_ref_only = ers.enabled and ers.min_ref_ranks > 0 and ref_ranks == 0
+    if ers.enabled and ers.min_ref_ranks > 0 and not uses_ref:
+        raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: needs a Ref model "
+                               "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward); set it to 0"])
+    if split:
+        check_split_mode(tide, handoff)
+    pool_wanted = bool(uses_ref and (ref_ranks or elastic_ref_only) and not split)
+    beside = bool(uses_ref and not pool_wanted and (
+        (ers.enabled and (ers.max_ref_ranks or 0) >= 1) or (split and (ref_ranks or elastic_ref_only))))
+    return RefLayout(pool_wanted, beside)
+
+
+def check_split_mode(tide: TideConfig, handoff: bool) -> None:
+    """Split mode: replicas hand their rows to the Actor's loss by sample id, beside verl's Ref role."""
+    ers, ra2p = tide.ers, tide.ra2p
+    problems = []
+    if not handoff:
+        problems.append("tide.ra2p.mode = 'split' needs the KL term in the Actor's loss and the hand-off: "
+                        "actor_rollout_ref.actor.use_kl_loss = true, algorithm.use_kl_in_reward = false, "
+                        "tide.ra2p.zero_copy = true, actor_rollout_ref.actor.strategy fsdp | fsdp2")
+    if not ra2p.ref_ranks and not (ers.enabled and (ers.min_ref_ranks or (ers.max_ref_ranks or 0) >= 1)):
+        problems.append("tide.ra2p.mode = 'split' needs Ref replicas beside verl's Ref: tide.ra2p.ref_ranks >= 1, "
+                        "or ERS (tide.ers.enabled) with tide.ers.min_ref_ranks >= 1 or tide.ers.max_ref_ranks >= 1")
+    if problems:
+        raise TideConfigError(problems)
+
+
+def initial_ref_moves(tide: TideConfig, roles: MutableMapping[int, Role]) -> list[RankMove]:
+    """With no Ref ranks of its own (tide.ra2p.ref_ranks = 0), Ref runs on elastic ranks only: the highest
+    tide.ers.min_ref_ranks rollout ranks start as Ref, so step 1 has a Ref replica."""
+    ers = tide.ers
+    missing = max(0, ers.min_ref_ranks - sum(r is Role.REF for r in roles.values()))
+    rollout = [r for r in sorted(roles, reverse=True) if roles[r] is Role.ROLLOUT]
+    if len(rollout) - missing < ers.min_rollout_ranks:
+        raise TideConfigError([f"tide.ers.min_ref_ranks = {ers.min_ref_ranks}: with tide.ra2p.ref_ranks = 0 Ref "
+                               f"runs on elastic ranks, and {len(roles)} rollout rank(s) cannot give that many while "
+                               f"keeping tide.ers.min_rollout_ranks = {ers.min_rollout_ranks}"])
+    return [RankMove(r, Role.ROLLOUT, Role.REF) for r in rollout[:missing]]
+
+
+def switch_to_ref_at_start(elastic: Any, moves: list[RankMove], roles: MutableMapping[int, Role]) -> None:
+    """Before the first sync: the ranks become Ref, and step 1 waits until their replicas answer."""
+    for applied in elastic.before_sync(moves):
+        roles[applied.rank] = Role.REF
+    elastic.after_sync()
+
+
+def elastic_ref_options(replica: Any) -> dict[str, Any]:
+    """Where an elastic Ref replica runs: the rollout replica's first placement-group bundle (its GPU), taking
+    the device share verl's rollout worker leaves free there (1 / max_colocate_count)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from verl.plugin.platform import get_platform
+
+    pool = replica.resource_pool
+    share = 1.0 / pool.max_colocate_count
+    pg = pool.get_placement_groups()[0]
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                    placement_group_bundle_index=0),
+            "num_cpus": 0, **get_platform().ray_resource_options(share)}

@@ -1,0 +1,401 @@
+"""The Ref path of trainer `tide`: where each step's ref log-probs come from, in RA2P's mode for that step.
+
+- decoupled: tide's Ref replicas (`ra2p/ref_workers.py`, ranks of their own or lent by ERS) score a
+  mini-batch while the Actor runs its forward; the deferred-KL loss (`ra2p/loss.py`) picks the rows up in
+  the Actor's backward through the Ref service;
+- colocated: one Ref pass scores the mini-batch and the ready groups the rest of the weight-sync window
+  trains (ready-batch aggregation, `ra2p/aggregation.py`), on verl's Ref role or on the replicas;
+- split: verl's Ref role and the replicas each score a share of a pass (the cost model sizes it);
+- the colocated hand-off (`tide.ra2p.zero_copy`, `ra2p/handoff.py`): rows (and inputs) reach the Actor's loss
+  by sample id, in the same process, instead of through TransferQueue.
+
+Why a module: all of this is one concern (which Ref runs where, and what the Actor's loss reads), and the
+trainer only needs three verbs from it per mini-batch: `before_old_log_prob`, `score`, `after_update`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
+
+from verl_tide.config import TideConfig, TideConfigError
+from verl_tide.planner import BoundaryPlanner
+from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
+                                        window_groups_left)
+from verl_tide.ra2p.cost import RA2PMode, StageTimer
+from verl_tide.ra2p.handoff import SampleIds
+from verl_tide.trainer.verl_compat import dispatch_layout
+
+SWAP_MEASURE_EVERY = 10  # steps between two measurements of the Ref<->Actor swap (each costs a swap pair)
+VerlRefPass = Callable[[Any, dict], Any]  # verl's `_compute_ref_log_prob(batch, metrics)`
+VerlUpdate = Callable[[Any, dict], Any]  # verl's `_update_actor(batch, metrics)`
+
+
+class WorkerGroup(Protocol):
+    """What the Ref path uses of a verl worker group (0.9.1)."""
+
+    world_size: int
+
+
+class ReadyGroups(Protocol):
+    """What the Ref path uses of tide's replay buffer: the ready groups verl will sample next."""
+
+    def ready_groups(self, global_steps: int, limit: int, exclude: set[str] = ...) -> list[tuple[str, dict]]: ...
+
+
+class RefPath:
+    def __init__(self, config: Any, tide_config: TideConfig, stage_timer: StageTimer, planner: BoundaryPlanner,
+                 uses_ref: bool):
+        self.config, self.tide_config = config, tide_config
+        self.stage_timer, self.planner = stage_timer, planner
+        self.aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
+        self.pool: Any = None  # tide's Ref replicas (ra2p/ref_workers.RefPool)
+        self.service: Any = None  # decoupled/split: where the Actor's backward picks ref log-probs up
+        self.service_name = ""
+        self.in_flight: Optional[tuple] = None
+        self.split_pending: list[list] = []  # split mode: the replicas' shares, collected after the update
+        self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
+        self.released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
+        self.handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
+        # RA2P's hand-off outside TransferQueue (tide.ra2p.zero_copy): needs the KL term in the Actor's loss, which
+        # reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's).
+        # The installed deferred-KL loss is verified on verl's FSDP engines only: others keep verl's path.
+        actor = config.actor_rollout_ref.actor
+        self.handoff = bool(uses_ref and tide_config.ra2p.zero_copy and actor.get("use_kl_loss", False)
+                            and not config.algorithm.get("use_kl_in_reward", False)
+                            and str(actor.get("strategy", "fsdp")).startswith("fsdp"))
+        self.inputs_handoff = False  # inputs too: verl's Ref role and the Actor's in one process (tide's workers)
+        self.pool_wanted = False  # tide's replicas replace verl's Ref worker group
+        self.actor_wg: Any = None
+        self.ref_wg: Any = None  # verl's Ref worker group, when it exists
+        self.ref_in_actor = False
+        self._swap_measured_at: Optional[int] = None
+        self._swap_unmeasured_said = False
+
+    # ---- construction ------------------------------------------------------------------------
+    def bind(self, actor_wg: WorkerGroup, ref_wg: Optional[WorkerGroup], ref_in_actor: bool) -> None:
+        self.actor_wg, self.ref_wg, self.ref_in_actor = actor_wg, ref_wg, ref_in_actor
+
+    def start_pool(self) -> None:
+        from verl_tide.ra2p.ref_workers import RefPool
+
+        model = self.config.actor_rollout_ref.model
+        ra2p = self.tide_config.ra2p
+        dtype = str(self.config.actor_rollout_ref.ref.fsdp_config.get("model_dtype", "bfloat16") or "bfloat16")
+        self.pool = RefPool(str(model.path), ra2p.ref_ranks, dtype=dtype,
+                            trust_remote_code=bool(model.get("trust_remote_code", False)))
+        how = "Actor waits for them"
+        # With Ref on ranks of its own, deferring the KL term only removes a wait: auto takes it too
+        # (colocated asks for the Actor to wait for the replicas).
+        kl_in_reward = bool(self.config.algorithm.get("use_kl_in_reward", False))
+        if ra2p.mode == "decoupled" and kl_in_reward:
+            raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0 defers the KL term to "
+                                   "the Actor's backward, so algorithm.use_kl_in_reward must be false (use "
+                                   "actor_rollout_ref.actor.use_kl_loss), or set tide.ra2p.mode to auto | colocated"])
+        if ra2p.mode == "decoupled" or (ra2p.mode == "auto" and not kl_in_reward):
+            self.start_service()
+            how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
+        if ra2p.mode == "split":
+            print(f"verl-tide: RA2P split: verl's Ref on the trainer's GPUs and {ra2p.ref_ranks} Ref replica(s) of "
+                  f"their own (ERS may lend rollout ranks as more) score shares of each Ref pass, sized by RA2P's "
+                  f"cost model; the Actor's backward picks the replicas' log-probs up", flush=True)
+            return
+        if not self.pool_wanted:
+            print(f"verl-tide: verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend "
+                  f"up to {self.tide_config.ers.max_ref_ranks} rollout rank(s) to Ref replicas (decoupled placement; "
+                  f"{how})", flush=True)
+            return
+        where = (f"{ra2p.ref_ranks} Ref replica(s) on GPUs of their own" if ra2p.ref_ranks
+                 else "Ref replicas on elastic ranks only")
+        print(f"verl-tide: {where} (RA2P decoupled placement; {how}); verl's Ref worker is not built", flush=True)
+
+    def start_service(self) -> None:
+        """The Ref service (where ref log-probs wait by sample id) and the deferred-KL loss on the Actor, which
+        takes them from the service, or from its own process after a colocated hand-off."""
+        import ray
+        from verl.utils.config import omega_conf_to_dataclass
+
+        from verl_tide.ra2p.loss import DeferredKLLoss
+        from verl_tide.ra2p.ref_workers import RefLogProbService, ServiceRefSource
+
+        if self.service is not None:
+            return
+        self.service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
+        self.service = ray.remote(RefLogProbService).options(name=self.service_name).remote()
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        self.actor_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self.service_name)))
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+
+    # ---- which mode a step runs ------------------------------------------------------------
+    def replicas_up(self) -> int:
+        return len(self.pool.replicas) if self.pool is not None else 0
+
+    def verls_ref_beside_replicas(self) -> bool:
+        """verl's Ref worker group exists beside tide's Ref replicas, with the hand-off (the Actor's loss takes
+        ref log-probs by sample id from either): what split mode needs, besides a replica."""
+        return self.handoff and not self.pool_wanted and self.ref_wg is not None
+
+    def can_split(self) -> bool:
+        return self.verls_ref_beside_replicas() and self.replicas_up() > 0
+
+    def step_mode(self) -> RA2PMode:
+        """The mode this step's mini-batches run in; it can change at every step boundary (`tide.ra2p.mode=auto`
+        follows the planner's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss; split needs
+        them beside verl's Ref worker group; everything else runs colocated: the Actor waits for Ref, one Ref
+        pass per burst of ready groups."""
+        mode = self.tide_config.ra2p.mode
+        if self.service is None or not self.replicas_up() or mode == "colocated":
+            return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
+        if mode == "decoupled":
+            return RA2PMode.DECOUPLED
+        if mode == "split":
+            return RA2PMode.SPLIT if self.can_split() else RA2PMode.COLOCATED
+        chosen = self.planner.mode or RA2PMode.DECOUPLED
+        return RA2PMode.COLOCATED if chosen is RA2PMode.SPLIT and not self.can_split() else chosen
+
+    def split_share(self) -> float:
+        """The share of a Ref pass the replicas score: the planner's, once stage times are measured; before,
+        their share of the ranks that run Ref (replicas and the Actor's)."""
+        if self.planner.share is not None:
+            return self.planner.share
+        k = self.replicas_up()
+        return k / (k + max(1, self.actor_wg.world_size))
+
+    def swap_seconds(self, step: int) -> Optional[float]:
+        """One Ref<->Actor swap on the trainer's GPUs, for RA2P's cost model: half of a Ref load+offload plus an
+        Actor load+offload, measured by tide's worker subclasses (`ra2p/handoff_worker.py`) on the first step and
+        every `SWAP_MEASURE_EVERY` steps (it costs one extra swap pair). 0.0 when neither model is offloaded (both
+        stay resident: nothing swaps). None when it cannot be measured (verl's own workers run the Ref role);
+        the cost model then keeps its last value."""
+        actor_cfg, ref_cfg = self.config.actor_rollout_ref.actor, self.config.actor_rollout_ref.ref
+        offloaded = any(bool(c.get("fsdp_config", {}).get("param_offload", False)) for c in (actor_cfg, ref_cfg)) or \
+            bool(actor_cfg.get("fsdp_config", {}).get("optimizer_offload", False))
+        if self.ref_wg is None or self.ref_in_actor or not offloaded:
+            return 0.0  # no Ref on the Actor's GPUs, or both resident
+        if not self.inputs_handoff:
+            if not self._swap_unmeasured_said:
+                self._swap_unmeasured_said = True
+                print("verl-tide WARNING: parameters are offloaded, so Ref and Actor swap on the trainer's GPUs, but "
+                      "verl's own workers run the Ref role (tide.ra2p.zero_copy off?): the swap is not measured and "
+                      "RA2P's cost model counts it as 0", flush=True)
+            return None
+        if self._swap_measured_at is not None and step - self._swap_measured_at < SWAP_MEASURE_EVERY:
+            return None
+        self._swap_measured_at = step
+        ref, actor = self.ref_wg.measure_swap(), self.actor_wg.measure_swap()
+        return (max(ref) + max(actor)) / 2
+
+    def aggregate_limit(self, window_mini_batches: int, local_trigger_step: int, groups_per_mini_batch: int) -> int:
+        """Ready groups a colocated Ref pass may score beyond the mini-batch (`tide.ra2p.max_aggregate`;
+        null: the groups the rest of this weight-sync window trains)."""
+        cap = self.tide_config.ra2p.max_aggregate
+        if cap is not None:
+            return cap
+        return window_groups_left(window_mini_batches, local_trigger_step, groups_per_mini_batch)
+
+    # ---- per mini-batch --------------------------------------------------------------------
+    def before_old_log_prob(self, batch: Any, metrics: dict) -> None:
+        """Decoupled mode: Ref starts on its own ranks before the Actor's old-log-prob pass, so they overlap.
+        A batch with samples scored ahead by a colocated step's burst finishes colocated (never mixed)."""
+        mode = self.step_mode()
+        metrics["tide/ra2p/step_mode_decoupled"] = 0.0
+        metrics["tide/ra2p/step_mode_split"] = float(mode is RA2PMode.SPLIT)
+        if self.service is not None and mode is RA2PMode.DECOUPLED and not self.aggregator.any_scored(batch.keys):
+            metrics["tide/ra2p/step_mode_decoupled"] = 1.0
+            keys = list(batch.keys)
+            ids = self._put_sample_ids(keys, batch.partition_id)
+            pending = self.pool.start(keys, batch.partition_id, self._temperature(), sample_ids=ids,
+                                      service_name=self.service_name, zero_copy=self.tide_config.ra2p.zero_copy)
+            self.in_flight = (pending, time.perf_counter())
+
+    def score(self, batch: Any, metrics: dict, ready: ReadyGroups, global_steps: int, aggregate_limit: int,
+              verl_ref_pass: VerlRefPass) -> None:
+        """The mini-batch's ref log-probs, unless decoupled mode already runs them (the Actor's backward waits).
+        Colocated, ready-batch aggregation: one Ref pass scores this mini-batch and the ready groups the next
+        mini-batches will take, so those find their ref log-probs waiting (no Ref<->Actor swap)."""
+        if self.in_flight is not None:
+            return
+        uids = {key.split("_")[0] for key in batch.keys}
+        groups = ready.ready_groups(global_steps, aggregate_limit, exclude=uids) if aggregate_limit else []
+        own, ahead = self.aggregator.burst(list(batch.keys), [(u, list(t)) for u, t in groups], aggregate_limit)
+        on_replicas: list[str] = []
+        if own:
+            tags = dict(zip(batch.keys, batch.tags))
+            for _uid, group_tags in groups:
+                tags.update(group_tags)
+            split = self.step_mode() is RA2PMode.SPLIT
+            if split:  # the replicas take a share (the samples scored ahead first), verl's workers the rest
+                own = list(batch.keys)
+                mine, mine_ahead, on_replicas = split_ref_pass(own, ahead, self.split_share(),
+                                                               max(1, self.ref_wg.world_size))
+                order = self._pass_order(mine, mine_ahead, on_verls_wg=True)
+            else:
+                if not self.replicas_up():  # verl's Ref worker group splits a pass evenly over its ranks
+                    own = list(batch.keys)
+                    wg = self.actor_wg if self.ref_in_actor else self.ref_wg
+                    ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
+                order = self._pass_order(own, ahead)
+            self._run_pass(batch, order, [tags[k] for k in order], metrics, verl_ref_pass,
+                           on_replicas if split else None)
+            self.aggregator.record_burst(own, ahead)
+        self.aggregator.trained(list(batch.keys), ref_pass_ran=bool(own))
+        metrics["tide/ra2p/ref_pass_samples"] = float(len(own) + len(ahead))
+        metrics["tide/ra2p/ref_pass_samples_ahead"] = float(len(ahead))
+        metrics["tide/ra2p/ref_pass_samples_on_replicas"] = float(len(on_replicas))
+
+    def update_actor(self, batch: Any, metrics: dict, verl_update: VerlUpdate) -> Any:
+        """verl's update; with the inputs hand-off the update reads from TransferQueue all but the input fields,
+        which the Actor worker puts back from its process (the Ref pass left them there) or, for samples another
+        rank scored, from TransferQueue. Then what the update consumed leaves the Ref service."""
+        if not self.inputs_handoff:
+            batch = verl_update(batch, metrics)
+        else:
+            import transfer_queue as tq
+
+            from verl_tide.ra2p.handoff import INPUT_FIELDS
+            from verl_tide.ra2p.handoff_worker import INPUTS_KEY
+
+            stored = tq.get_client().kv_retrieve_meta(keys=batch.keys, partition_id=batch.partition_id).field_names
+            held = [f for f in stored if f in INPUT_FIELDS]
+            batch.fields = [f for f in stored if f not in INPUT_FIELDS]
+            batch.extra_info[INPUTS_KEY] = {"fields": held, "partition_id": batch.partition_id,
+                                            "keys": dict(zip(self.sample_ids.ids_of(batch.keys), batch.keys))}
+            try:
+                batch = verl_update(batch, metrics)
+            finally:
+                batch.fields = None
+                batch.extra_info.pop(INPUTS_KEY, None)
+        if self.service is not None:
+            self._after_update(batch, metrics)
+        return batch
+
+    def forget_scored(self, keys: list[str]) -> None:
+        """Samples scored ahead whose group verl evicted (stale, filtered, failed): never trained."""
+        self.aggregator.forget(keys)
+        self.released_ids.extend(self.sample_ids.release(keys))
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _temperature(self) -> float:
+        return float(self.config.actor_rollout_ref.rollout.temperature)
+
+    def _put_sample_ids(self, keys: list[str], partition_id: str) -> list[int]:
+        """Fresh ids for these samples, written to TransferQueue: the Actor's loss reads each sample's id from
+        its data, then asks for its ref log-probs by it."""
+        import torch
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        from verl_tide.ra2p.loss import SAMPLE_ID_KEY
+
+        ids = self.sample_ids.assign(keys)
+        tq.kv_batch_put(keys=keys, partition_id=partition_id,
+                        fields=TensorDict({SAMPLE_ID_KEY: torch.tensor(ids, dtype=torch.int64)}, batch_size=[len(ids)]))
+        return ids
+
+    def _pass_order(self, own: list[str], ahead: list[str], on_verls_wg: bool = False) -> list[str]:
+        """With the hand-off to verl's Actor (same processes, same data-parallel layout), each Ref rank scores the
+        share of the mini-batch its process trains; otherwise verl's order, the mini-batch first."""
+        if not self.inputs_handoff or (self.replicas_up() and not on_verls_wg):
+            return own + ahead
+        actor, ref = dispatch_layout(self.actor_wg, "actor"), dispatch_layout(self.ref_wg, "ref")
+        if actor != ref:
+            return own + ahead
+        return rank_aligned_order(own, ahead, max(actor) + 1)
+
+    def _run_pass(self, batch: Any, keys: list[str], tags: list[dict], metrics: dict, verl_ref_pass: VerlRefPass,
+                  on_replicas: Optional[list[str]] = None) -> None:
+        """One Ref pass over these samples (the mini-batch's and those scored ahead); when it returns their ref
+        log-probs are in TransferQueue (`ref_log_prob`) or, with the hand-off, where the Actor's loss finds them.
+        Split mode: `keys` on verl's Ref worker group, `on_replicas` on tide's replicas at the same time; the
+        Actor's backward waits for theirs (deferred KL), and `update_actor` collects the replicas after it."""
+        temperature = self._temperature()
+        if on_replicas:
+            ids = self._put_sample_ids(list(on_replicas), batch.partition_id)
+            pending = self.pool.start(list(on_replicas), batch.partition_id, temperature, sample_ids=ids,
+                                      service_name=self.service_name, zero_copy=self.tide_config.ra2p.zero_copy)
+            self.split_pending.append(pending)
+            if not keys:
+                return
+        ids = self._put_sample_ids(keys, batch.partition_id) if self.handoff else None
+        if self.replicas_up() and on_replicas is None:
+            pending = self.pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
+                                      service_name=self.service_name if self.handoff else None)
+            self._observe_replicas(self.pool.finish(pending), metrics)
+            return
+        from transfer_queue import KVBatchMeta
+
+        # verl's Ref worker group; timed here (RA2P's t_ref) because a pass may score samples ahead
+        start = time.perf_counter()
+        if self.handoff:
+            from verl_tide.ra2p.handoff_worker import SERVICE_KEY
+
+            meta = KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id, extra_info={
+                "calculate_entropy": False, "compute_loss": False, "temperature": temperature,
+                SERVICE_KEY: self.service_name})
+            self.ref_wg.compute_ref_log_prob_handoff(meta)
+        else:
+            meta = batch if keys == list(batch.keys) else KVBatchMeta(keys=keys, tags=tags,
+                                                                       partition_id=batch.partition_id)
+            verl_ref_pass(meta, metrics)
+        tokens = sum(int(tag.get("seq_len", 0) or 0) for tag in tags)
+        if tokens > 0:
+            self.stage_timer.observe("ref", tokens, time.perf_counter() - start)
+
+    def _after_update(self, batch: Any, metrics: dict) -> None:
+        import ray
+
+        if self.in_flight is not None:
+            pending, started = self.in_flight
+            self.in_flight = None
+            self._observe_replicas(self.pool.finish(pending), metrics)
+            metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
+        for pending in self.split_pending:  # split mode: the replicas' shares of this update's passes
+            self._observe_replicas(self.pool.finish(pending), metrics)
+        self.split_pending = []
+        # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.
+        released = self.sample_ids.release(batch.keys) + self.released_ids
+        self.released_ids = []
+        ray.get(self.service.discard.remote(released))
+        # Cumulative counters go out with the step's own metrics: verl averages a step's mini-batch metrics.
+        stats = ray.get(self.service.stats.remote())
+        self.handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
+        # Samples scored and not yet trained or evicted: the rows that should be held, nothing more.
+        self.handoff_counters["tide/ra2p/handoff_ids_live"] = float(len(self.sample_ids))
+        if self.handoff and self.ref_wg is not None:
+            ranks = self.ref_wg.discard_ref_handoff(released)
+            for k in (ranks[0] if ranks else {}):  # put/served_in_process/held (+ inputs_*), summed over processes
+                self.handoff_counters[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))
+        kl = ray.get(self.service.take_kl.remote())
+        if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
+            metrics["actor/kl_loss"] = kl
+
+    def _observe_replicas(self, timing: dict, metrics: dict) -> None:
+        if timing["tokens"] > 0:  # measured on the Ref replicas
+            # one replica's seconds per token ("ref_rank"); RA2P's t_ref too when no verl Ref measures it
+            self.stage_timer.observe("ref_rank", int(timing["tokens"]), timing["seconds"] * timing["replicas"])
+            if not self.verls_ref_beside_replicas():
+                self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
+            metrics["tide/ra2p/ref_worker_s"] = metrics.get("tide/ra2p/ref_worker_s", 0.0) + timing["seconds"]
+            metrics["tide/ra2p/ref_replicas_used"] = timing["replicas"]
+
+    def text(self, uses_ref: bool) -> str:
+        if not uses_ref:
+            return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
+        c = self.aggregator.counters
+        passes = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
+                  f"{c.batches_without_ref_pass} mini-batches needed none")
+        mode = self.tide_config.ra2p.mode
+        if mode != "auto":
+            chosen = f"{mode} (tide.ra2p.mode)"
+        else:
+            chosen = "measuring stage times" if self.planner.mode is None else f"{self.planner.mode.value} chosen"
+        if self.step_mode() is RA2PMode.SPLIT:
+            chosen += f", replicas' share {self.split_share():.0%}"
+        if self.pool is None:
+            return f"{chosen}; colocated with verl's Ref ({passes})"
+        return f"{chosen}; next step runs {self.step_mode().value} ({self.replicas_up()} Ref replica(s); {passes})"

@@ -1,0 +1,176 @@
+"""Step reporting: what trainer `tide` reads from the rollout pool at each step boundary (CTB's counters and
+clocks, each engine's prefix-cache hit rate), the split advice, and the one-line texts of its log.
+
+Why apart: none of it changes a decision except through the readiness signals (the rollout clocks), and all
+of it must fail soft (observability never stops training). Prometheus export is `verl_tide.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Optional
+
+from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
+from verl_tide.ers.policy import Role
+from verl_tide.ledger import GoodputLedger, Outcome
+from verl_tide.readiness import ReadinessSignals, ReadinessTracker
+from verl_tide.trainer.verl_compat import load_balancer
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutReport:
+    """Reads CTB's router and the engines' `/metrics` once per step boundary."""
+
+    def __init__(self, pool: Any, backend: str, ctb_enabled: bool, exporter: Optional[Any] = None):
+        self.pool, self.backend, self.ctb_enabled, self.exporter = pool, backend, ctb_enabled, exporter
+        self._engine_scrapes: dict[str, Any] = {}
+
+    def _router(self) -> Any:
+        return load_balancer(self.pool)
+
+    def group_finish_times(self, uids: list[str], clock: Callable[[], float]) -> dict[str, float]:
+        """When each group's last trajectory finished, from CTB's router (wall clock there), on `clock`: the
+        replay buffer stamps a group ready then, not when verl's sampler polls."""
+        import ray
+
+        from verl_tide.ctb.ids import SEP
+
+        by_group = {uid.replace(SEP, "_"): uid for uid in uids}  # the router's group ids (ctb/ids.py)
+        try:
+            wall = ray.get(self._router().group_finish_times.remote(list(by_group)), timeout=30)
+        except Exception as e:  # readiness falls back to the poll time; training goes on
+            logger.warning("verl-tide: could not read group finish times from CTB's router: %s", e)
+            return {}
+        now_wall, now = time.time(), clock()
+        return {by_group[g]: now - max(0.0, now_wall - t) for g, t in wall.items()}
+
+    def rollout_time(self) -> Optional[dict[str, Any]]:
+        """CTB's router's rollout clocks (`CTBLoadBalancer.rollout_time`); None without CTB or when unreadable."""
+        if not self.ctb_enabled:
+            return None
+        import ray
+
+        try:
+            return ray.get(self._router().rollout_time.remote(), timeout=30)
+        except Exception as e:  # observability must not stop training
+            logger.warning("verl-tide: could not read the rollout ranks' busy and idle time: %s", e)
+            return None
+
+    def feed_rollout_clocks(self, readiness: ReadinessTracker, report: bool = True) -> None:
+        """This cycle's rollout time for the readiness signals, from CTB's router's clocks: its busy seconds, its
+        idle rank-seconds with no task waiting (RWT beside the weight sync, as the simulator counts it), its
+        seconds with work waiting for KV budget, and the decode load. Without CTB nothing is reported: RWT is the
+        sync alone and ERS assumes saturated ranks. `report=False` starts the next cycle's clocks here."""
+        now = self.rollout_time()
+        if now is not None:
+            readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report,
+                                     kv_wait_s=float(now["kv_wait_s"]),
+                                     generating_token_s=float(now["generating_token_s"]))
+
+    def ctb_metrics(self) -> dict[str, float]:
+        """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""
+        if not self.ctb_enabled:
+            return {}
+        import ray
+
+        try:
+            status = ray.get(self._router().get_status.remote(), timeout=30)
+        except Exception as e:  # observability must not stop training
+            logger.warning("verl-tide: could not read CTB status: %s", e)
+            return {}
+        ctb = status["ctb"]
+        if self.exporter is not None:
+            self.exporter.update_from_ctb_status(ctb["ranks"], ctb["tasks"], ctb)
+        m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}
+        m.update({f"tide/ctb/tasks_{state}": float(n) for state, n in ctb["tasks"].items()})
+        m["tide/ctb/ranks"] = float(len(ctb["ranks"]))
+        m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
+        m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
+        return m
+
+    def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:
+        """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""
+        from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
+
+        if self.backend not in ("vllm", "sglang"):
+            return {}
+        rates: dict[str, float] = {}
+        current: dict[str, Any] = {}
+        for rank, replica in enumerate(self.pool.get_replicas()):
+            address = replica.server_address  # current: a relaunched rank has a new one
+            if rank in quarantined:
+                continue
+            try:
+                current[address] = EngineMetrics.scrape(f"http://{address}", self.backend, timeout_s=5.0)
+            except (OSError, ValueError):
+                continue  # no /metrics (stats logging off): nothing to report
+            if address in self._engine_scrapes:
+                rates[str(rank)] = prefix_hit_rate(self._engine_scrapes[address], current[address])
+        self._engine_scrapes = current
+        if self.exporter is not None:
+            self.exporter.update_hit_rates(rates)
+        return {f"tide/engine/prefix_hit_rate/{rank}": rate for rank, rate in rates.items()}
+
+
+class SplitAdviceReport:
+    """ERS cannot move the Actor's GPUs: where the trainer starves behind a saturated rollout, say which split to
+    start the job with (`ers.advice`). Cycles that ran an overlapped evaluation starve it by design."""
+
+    def __init__(self, config: Any, ideal_batch: int, kv_bound: float, fixed_ref_ranks: int,
+                 exporter: Optional[Any] = None):
+        self.config, self.ideal_batch, self.kv_bound = config, ideal_batch, kv_bound
+        self.fixed_ref_ranks, self.exporter = fixed_ref_ranks, exporter
+        self.advisor = SplitAdvisor()
+        self.eval_in_cycle = False  # this cycle's rollout also ran an overlapped evaluation
+        self.weight_kv_tokens: Optional[float] = None  # the rollout model's weights in KV tokens
+
+    def update(self, signals: ReadinessSignals, roles: Mapping[int, Role], quarantined: Mapping[int, str],
+               step: int, eval_next: bool) -> dict[str, float]:
+        rollout = self.config.actor_rollout_ref.rollout
+        rollout_gpus = int(rollout.nnodes) * int(rollout.n_gpus_per_node)
+        per_replica = max(1, rollout_gpus // max(1, len(roles) + len(quarantined)))
+        now_rollout = per_replica * sum(r is Role.ROLLOUT for r in roles.values())
+        trainer_gpus = (int(self.config.trainer.nnodes) * int(self.config.trainer.n_gpus_per_node)
+                        + self.fixed_ref_ranks + per_replica * sum(r is Role.REF for r in roles.values()))
+        m = {}
+        if signals.rollout_kv_bound is not None:
+            m["tide/rollout/kv_bound"] = float(signals.rollout_kv_bound)
+        if signals.rollout_decode_context is not None:
+            m["tide/rollout/decode_context_tokens"] = float(signals.rollout_decode_context)
+        if not self.eval_in_cycle and now_rollout >= 1:
+            if self.weight_kv_tokens is None:
+                self.weight_kv_tokens = self._model_weight_kv_tokens()
+            before = self.advisor.standing
+            advice = self.advisor.update(advise_split(
+                signals, now_rollout, trainer_gpus, self.ideal_batch, self.weight_kv_tokens or None, self.kv_bound,
+                gpus_per_replica=per_replica))
+            if advice is not None and (before is None or before.rollout_gpus != advice.rollout_gpus):
+                print(f"verl-tide step {step}: ERS split advice: {advice.reason}", flush=True)
+        self.eval_in_cycle = eval_next
+        standing = self.advisor.standing
+        m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
+        if self.exporter is not None:
+            self.exporter.update_split_advice(now_rollout, standing)
+        return m
+
+    def _model_weight_kv_tokens(self) -> float:
+        """`ers.advice.weight_kv_tokens` of the job's model; 0.0 (no decode-bound advice) if its config is unreadable."""
+        model = self.config.actor_rollout_ref.model
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(str(model.path),
+                                            trust_remote_code=bool(model.get("trust_remote_code", False)))
+            return weight_kv_tokens(hf.to_dict()) or 0.0
+        except Exception as e:  # advice must not stop training
+            logger.warning("verl-tide: could not read the model config for the split advice: %s", e)
+            return 0.0
+
+
+def ledger_text(ledger: GoodputLedger) -> str:
+    return (f"{ledger.groups[Outcome.CONSUMED]} consumed, {ledger.groups[Outcome.DROPPED_STALE]} stale, "
+            f"{ledger.groups[Outcome.DROPPED_FILTERED]} filtered, {ledger.groups[Outcome.DROPPED_FAILED]} failed, "
+            f"{ledger.in_flight_groups} in flight (groups); goodput {ledger.goodput():.1f} tok/s")

@@ -1,0 +1,453 @@
+"""The V1 trainer `tide`, registered in verl's TRAINER_REGISTRY (`+tide=enabled` selects it).
+
+Built on verl's `separate_async` trainer (subclass, no patching): rollout runs on its own ranks and never
+waits for the trainer; the trainer takes one PPO mini-batch of ready GRPO groups at a time from
+TransferQueue as soon as it is ready, and pushes weights to every rollout rank after
+`data.train_batch_size` prompts. This class holds only verl's hooks; each delegates to a module:
+
+- `ref_path.RefPath`: where ref log-probs come from in RA2P's mode for the step (decoupled, colocated with
+  ready-batch aggregation, split; the zero-copy hand-off);
+- `verl_tide.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
+  the next step and ERS's plan, from the readiness signals and the measured stage times;
+- `rank_health.RankHealth`: quarantine and relaunch of rollout ranks, a weight sync that survives a death;
+- `checkpoint.py`: tide's state beside verl's checkpoint; `reporting.py`: what each step logs;
+- `verl_compat.py`: every reach into verl beyond its hooks, each naming the verl version.
+CTB runs inside the rollout pool as its load balancer (`ctb/router.py`); evaluation overlaps the next step's
+rollout (`evaluation.py`); the goodput ledger and readiness arrivals are kept by the replay buffer
+(`buffer.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Optional
+
+from omegaconf import OmegaConf
+from verl.checkpoint_engine import CheckpointEngineManager
+from verl.trainer.config import HybridRolloutSwitchConfig
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.rollout.llm_server import LLMServerManager
+from verl.workers.rollout.utils import update_prometheus_config
+
+from verl_tide.buffer import TideReplayBuffer
+from verl_tide.ers.policy import Phase, Role
+from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
+from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
+from verl_tide.ledger import GoodputLedger, Outcome
+from verl_tide.planner import BoundaryPlanner
+from verl_tide.ra2p.cost import RA2PMode, StageTimer
+from verl_tide.readiness import ReadinessTracker
+from verl_tide.trainer import boundary, checkpoint, elastic_setup, verl_compat
+from verl_tide.trainer.rank_health import RankHealth
+from verl_tide.trainer.ref_path import RefPath
+from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+
+class TideNotBuiltError(NotImplementedError):
+    """Raised when a job asks for a part of trainer `tide` that does not exist yet."""
+
+
+def ideal_batch(tide_config: Any, config: DictConfig) -> int:
+    """B_ideal in sequences, the unit of the readiness signals (ready volume, rollout rate): a step trains
+    data.train_batch_size prompts x rollout.n samples each."""
+    return tide_config.ers.ideal_batch or int(config.data.train_batch_size) * int(
+        config.actor_rollout_ref.rollout.get("n", 1))
+
+
+@register_trainer(TRAINER_MODE)
+class TideTrainer(PPOTrainerSeparateAsync):
+    ideal_batch = staticmethod(ideal_batch)
+
+    def __init__(self, config: DictConfig):
+        self.tide_config = tide_config_from_job(config)
+        check_layout(config)
+        self.clock = time.monotonic
+        self.readiness = ReadinessTracker(clock=self.clock)
+        self.ledger = GoodputLedger(clock=self.clock)
+        self.stage_timer = StageTimer()
+        self._enable_hybrid_replicas = False  # rollout only on its own ranks
+        verl_compat.init_without_separate_async(self, config)
+        self.parameter_sync_step = int(config.data.train_batch_size) // int(
+            config.actor_rollout_ref.actor.ppo_mini_batch_size)
+        self.hybrid_rollout_config = HybridRolloutSwitchConfig(enable_switch=False)
+        self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
+                                             ideal_batch(self.tide_config, config))
+        self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
+        self._elastic_batch = self.planner.ers.ideal_batch  # sequences the next step trains (ERS's plan)
+        self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
+        self.advice = SplitAdviceReport(config, self.planner.ers.ideal_batch, self.tide_config.ers.split_advice_kv_bound,
+                                        self.tide_config.ra2p.ref_ranks)
+        self.exporter: Any = None  # Prometheus (tide.metrics)
+        self.metrics_server: Any = None
+        self.health: Optional[RankHealth] = None
+        self.report: Optional[RolloutReport] = None
+        self.rollout_roles: dict[int, Role] = {}
+        self._step_tokens_before = 0
+        self._sample_started = 0.0
+        self._training = False
+        self._restored: Optional[dict] = None  # tide_state.json, applied once the rollout pool exists
+        self.overlapped_eval: Optional[OverlappedEvaluation] = None
+        self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
+
+    @property
+    def _groups_per_mini_batch(self) -> int:
+        """GRPO groups (prompts) in one PPO mini-batch: what verl's replay buffer hands out at once."""
+        return int(self.config.data.train_batch_size) // self.parameter_sync_step
+
+    @property
+    def quarantined(self) -> dict[int, str]:
+        return self.health.quarantined if self.health is not None else {}
+
+    # ---- construction (verl's hooks) ---------------------------------------------------------
+    def _build_replay_buffer(self) -> TideReplayBuffer:
+        sampler = self.config.trainer.v1.sampler
+        buffer = TideReplayBuffer(
+            readiness=self.readiness, ledger=self.ledger, clock=self.clock,
+            trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
+            # verl drops a group when (step - its step + 1) > threshold: a lag of max_staleness versions.
+            max_off_policy_threshold=self.tide_config.max_staleness + 1,
+            max_off_policy_strategy=self.tide_config.staleness_strategy, sampler_kwargs=sampler.sampler_kwargs,
+            refill_fn=self._add_prompts_to_generate,
+            filter_groups_metric=self._resolve_filter_groups_metric(),
+            sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
+            train_batch_size=int(self.config.data.train_batch_size),
+        )
+        buffer.on_evicted = self.ref.forget_scored
+        if self.tide_config.ctb.enabled:
+            # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
+            buffer.finish_times = lambda uids: self.report.group_finish_times(uids, self.clock) if self.report else {}
+        return buffer
+
+    def _init_dataloader(self):
+        super()._init_dataloader()
+        if getattr(self, "val_dataloader", None) is not None:
+            self.val_dataloader = EvalMarkedLoader(self.val_dataloader)  # CTB ranks evaluation prompts first
+
+    def _init_resource_pool_mgr(self):
+        super()._init_resource_pool_mgr()
+        from verl.trainer.ppo.utils import Role as VerlRole
+
+        if self.ref.pool_wanted:  # set by _setup before verl builds its worker groups
+            # verl's Ref would share the trainer's GPUs; tide's Ref replicas get GPUs of their own instead.
+            self.role_worker_mapping.pop(VerlRole.RefPolicy, None)
+            self.mapping.pop(VerlRole.RefPolicy, None)
+        elif self.ref.handoff and VerlRole.RefPolicy in self.role_worker_mapping:
+            import ray
+
+            from verl_tide.ra2p.handoff_worker import TideActorWorker, TideRefWorker
+
+            # verl's own Ref worker (in the Actor's process), plus the colocated hand-off (ra2p/handoff.py)
+            self.role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
+            if VerlRole.Actor in self.role_worker_mapping:  # and the inputs: the Actor's update takes them back
+                self.role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
+                self.ref.inputs_handoff = True
+        else:
+            self.ref.handoff = False  # Ref inside the Actor (LoRA): verl's path through TransferQueue
+
+    def _setup(self):
+        layout = elastic_setup.ref_layout(self.tide_config, self.use_reference_policy, self.ref.handoff)
+        self.ref.pool_wanted = layout.pool_wanted
+        # verl must not build its Ref worker group for tide's replicas; the flag goes back on after, so verl's
+        # step still asks for ref log-probs (answered by `_compute_ref_log_prob` below).
+        if layout.pool_wanted:
+            self.use_reference_policy = False
+        verl_compat.setup_without_colocated_rollout(self)  # actor (and Ref) worker groups, reward loop
+        if layout.pool_wanted:
+            self.use_reference_policy = True
+        self.ref.bind(self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), bool(self.ref_in_actor))
+        if layout.pool_wanted or layout.beside_verl_ref:
+            self.ref.start_pool()
+        if self.ref.handoff:
+            self.ref.start_service()
+            print("verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy): ref log-probs reach the Actor's loss by "
+                  "sample id, from the Ref role of its own process or Ray's shared memory, not TransferQueue",
+                  flush=True)
+        self._start_rollout_pool()
+        self._restore_ctb_and_roles()
+        if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0:
+            self._start_elastic_ref_ranks()
+        if self.tide_config.metrics.enabled:
+            from verl_tide.metrics import TideMetrics
+
+            self.exporter, self.metrics_server = TideMetrics.start(self.tide_config.metrics.host,
+                                                                   self.tide_config.metrics.port)
+            self.report.exporter = self.advice.exporter = self.exporter
+
+    def _start_rollout_pool(self) -> None:
+        """The standalone rollout pool with CTB as its load balancer, its checkpoint engine, rank health, and
+        ERS's elastic ranks (with tide's Ref pool)."""
+        from verl_tide.rollout_restart import RankRestarts
+
+        rollout_config = self.config.actor_rollout_ref.rollout
+        manager = LLMServerManager.create(config=self.config, start_rank=0, load_balancer_cls=self._ctb_balancer_cls())
+        self.standalone_server_manager = manager
+        if rollout_config.prometheus.enable:
+            update_prometheus_config(rollout_config.prometheus, manager.server_addresses, rollout_config.name)
+        self.standalone_checkpoint_manager = CheckpointEngineManager(
+            config=omega_conf_to_dataclass(rollout_config.checkpoint_engine), actor_wg=self.actor_rollout_wg,
+            replicas=manager.get_replicas())
+        self.current_mode = HybridEngineMode.TRAINER
+        balancer = verl_compat.load_balancer(manager)
+        restarts = RankRestarts(balancer, self.standalone_checkpoint_manager, self.tide_config.max_rank_restarts)
+        self.health = RankHealth(manager, self.standalone_checkpoint_manager, self.tide_config.ctb.enabled, restarts)
+        self.report = RolloutReport(manager, str(rollout_config.name), self.tide_config.ctb.enabled)
+        self._warn_about_stock_agent_loops()
+        self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(manager.get_replicas()))}
+        if self.ref.pool is not None and self.tide_config.ers.enabled:
+            from verl_tide.ers.elastic import ElasticRanks
+
+            self.elastic = ElasticRanks(manager.get_replicas(), balancer, self.standalone_checkpoint_manager,
+                                        self.ref.pool, elastic_setup.elastic_ref_options)
+            if not rollout_config.free_cache_engine:
+                print("verl-tide: elastic ranks on; actor_rollout_ref.rollout.free_cache_engine = false keeps a Ref-role "
+                      "rank's KV cache allocated beside its Ref replica (set it true on GPUs)", flush=True)
+
+    def _ctb_balancer_cls(self) -> Optional[type]:
+        if not self.tide_config.ctb.enabled:
+            return None
+        from verl_tide.ctb.router import CTBLoadBalancer
+
+        rollout = self.config.actor_rollout_ref.rollout
+        return CTBLoadBalancer.with_config({
+            "ctb": OmegaConf.to_container(self.config.tide.ctb, resolve=True), "backend": rollout.name,
+            "group_size": int(rollout.get("n", 1) or 1),
+            "eval_group_size": int(rollout.get("val_kwargs", {}).get("n", 1) or 1)})
+
+    def _start_elastic_ref_ranks(self) -> None:
+        moves = elastic_setup.initial_ref_moves(self.tide_config, self.rollout_roles)
+        elastic_setup.switch_to_ref_at_start(self.elastic, moves, self.rollout_roles)
+        beside = " beside verl's Ref (split)" if self.tide_config.ra2p.mode == "split" else " only"
+        print(f"verl-tide: Ref runs on elastic ranks{beside} (tide.ra2p.ref_ranks = 0): rank(s) "
+              f"{sorted(r for r, role in self.rollout_roles.items() if role is Role.REF)} start as Ref", flush=True)
+
+    def _warn_about_stock_agent_loops(self) -> None:
+        from verl_tide.ctb.agent_loops import STOCK_TO_TIDE
+
+        loop = self.config.actor_rollout_ref.rollout.agent.get("default_agent_loop")
+        if self.tide_config.ctb.enabled and loop in STOCK_TO_TIDE:
+            print(f"verl-tide WARNING: actor_rollout_ref.rollout.agent.default_agent_loop = {loop}: verl's loop never "
+                  f"tells CTB that a trajectory ended, so CTB charges it until its idle timeout (300 s) and "
+                  f"admissions can stall; use {STOCK_TO_TIDE[loop]} (the same loop, its end told to CTB)", flush=True)
+
+    # ---- checkpoint and resume ---------------------------------------------------------------
+    def _save_checkpoint(self):
+        super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
+        ctb = None
+        if self.tide_config.ctb.enabled:
+            import ray
+
+            ctb = ray.get(verl_compat.load_balancer(self.standalone_server_manager).get_state.remote(), timeout=60)
+        checkpoint.save_state(self.config.trainer, self.global_steps, {
+            "global_steps": self.global_steps, "ledger": self.ledger.state_dict(), "ctb": ctb,
+            "ers": self.planner.ers.state_dict(),
+            "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()},
+            # samples already carrying ref log-probs in the checkpointed TransferQueue
+            "ra2p_aggregation": self.ref.aggregator.state_dict()})
+
+    def _load_checkpoint(self):
+        super()._load_checkpoint()
+        if self.global_steps == 0:
+            return
+        state = checkpoint.load_state(checkpoint.step_folder(self.config.trainer, self.global_steps))
+        if state is None:
+            return
+        self.ledger.load_state_dict(state["ledger"])
+        for uid, (samples, _tokens) in self.ledger.ready().items():  # restored from TransferQueue as ready
+            self.readiness.micro_batch_ready(uid, max(samples, 1))
+        # (checkpoints before the planner kept ERS's cooldowns under "ers_last_moved")
+        self.planner.ers.load_state_dict(state.get("ers") or {"last_moved": state.get("ers_last_moved", {})})
+        aggregation = state.get("ra2p_aggregation", {})
+        if self.ref.handoff:  # samples scored ahead left their rows in processes that are gone: score them again
+            aggregation = {**aggregation, "scored": []}
+        self.ref.aggregator.load_state_dict(aggregation)
+        self._restored = state  # CTB's router and the ranks' roles are restored once the rollout pool exists
+        print(f"verl-tide: resumed from step {state['global_steps']}: {ledger_text(self.ledger)}", flush=True)
+
+    def _restore_ctb_and_roles(self) -> None:
+        state = self._restored or {}
+        if state.get("ctb") and self.tide_config.ctb.enabled:
+            import ray
+
+            ray.get(verl_compat.load_balancer(self.standalone_server_manager).load_state.remote(state["ctb"]),
+                    timeout=60)
+            print(f"verl-tide: CTB state restored ({state['ctb']['scheduler']['counters']['admissions']} admissions "
+                  f"so far, first-turn footprints of {len(state['ctb']['scheduler']['group_probe'])} groups)",
+                  flush=True)
+        moves = checkpoint.moves_to_restore(checkpoint.roles_of(state), self.rollout_roles, self.elastic is not None)
+        if moves:
+            elastic_setup.switch_to_ref_at_start(self.elastic, moves, self.rollout_roles)
+            print(f"verl-tide: ranks {[m.rank for m in moves]} resume in the Ref role", flush=True)
+
+    # ---- a step ------------------------------------------------------------------------------
+    def step(self, metrics: dict, timing_raw: dict):
+        """verl's step, over the mini-batches of ERS's elastic batch: with tide.ers.min_batch < B_ideal and less
+        ready at the last boundary, the step trains fewer mini-batches and the weight sync comes sooner."""
+        n = int(self.config.actor_rollout_ref.rollout.get("n", 1))
+        count = self.planner.ers.mini_batches(self._elastic_batch, self._groups_per_mini_batch * n,
+                                              self.parameter_sync_step)
+        self._window_mini_batches = count
+        metrics["tide/ers/step_mini_batches"] = float(count)
+        if count >= self.parameter_sync_step:
+            return super().step(metrics, timing_raw)
+        return verl_compat.train_mini_batches(self, count, self._groups_per_mini_batch, metrics, timing_raw)
+
+    def _compute_old_log_prob(self, batch, metrics: dict):
+        self.ref.before_old_log_prob(batch, metrics)
+        return super()._compute_old_log_prob(batch, metrics)
+
+    def _compute_ref_log_prob(self, batch, metrics: dict):
+        limit = self.ref.aggregate_limit(self._window_mini_batches, self.local_trigger_step,
+                                         self._groups_per_mini_batch)
+        self.ref.score(batch, metrics, self.replay_buffer, self.global_steps, limit, super()._compute_ref_log_prob)
+        return batch
+
+    def _update_actor(self, batch, metrics: dict):
+        return self.ref.update_actor(batch, metrics, super()._update_actor)
+
+    def _submit_batch_to_rollout(self, batch) -> int:
+        n = super()._submit_batch_to_rollout(batch)
+        self.ledger.groups_submitted(n)
+        return n
+
+    # ---- evaluation --------------------------------------------------------------------------
+    def _validation_buffer(self) -> ReplayBufferAsync:
+        """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
+        sampler = self.config.trainer.v1.sampler
+        return ReplayBufferAsync(
+            trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
+            max_off_policy_threshold=None, max_off_policy_strategy="wait", sampler_kwargs=sampler.sampler_kwargs)
+
+    def _validate(self):
+        """Before training and after the last step: verl's blocking validation. In between (trainer.test_freq),
+        with tide.overlap_eval: started now on this step's weights, collected before the next weight sync."""
+        last = self.global_steps >= self.total_training_steps
+        if self.overlapped_eval is None or not self._training or last:
+            return super()._validate()
+        self.overlapped_eval.start(self, self.global_steps)
+        print(f"verl-tide step {self.global_steps}: evaluation runs during step {self.global_steps + 1}'s rollout "
+              f"(step-{self.global_steps} weights); its metrics come with step {self.global_steps + 1}", flush=True)
+        return {}
+
+    # ---- the loop's hooks --------------------------------------------------------------------
+    def on_train_begin(self):
+        super().on_train_begin()
+        self._training = True
+        self.report.feed_rollout_clocks(self.readiness, report=False)  # the first cycle counts from the prompts
+        self.readiness.rollout_started()
+        if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
+            return
+        if verl_compat.reward_workers(self) is None:
+            print("verl-tide: evaluation is not overlapped: rewards are computed on the trainer's GPUs "
+                  "(reward.num_workers = 0), which verl's validation puts to sleep; set reward workers to overlap",
+                  flush=True)
+            return
+        self.overlapped_eval = OverlappedEvaluation(validate=verl_compat.blocking_validate,
+                                                    make_buffer=self._validation_buffer, clock=self.clock)
+
+    def on_step_begin(self):
+        self.health.check(self.rollout_roles)
+        self.readiness.step_started()
+        self._step_tokens_before = self.ledger.tokens[Outcome.CONSUMED]
+        super().on_step_begin()
+
+    def on_sample_begin(self):
+        super().on_sample_begin()
+        self._sample_started = self.clock()
+
+    def on_sample_end(self):
+        super().on_sample_end()
+        self.readiness.trainer_waited(self.clock() - self._sample_started)
+
+    def on_step_end(self):
+        """The post-update boundary: the step's readiness is final, RA2P and ERS decide, ranks move, then the sync."""
+        self.health.check(self.rollout_roles)  # a dead rank must not stall the weight sync
+        # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
+        eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
+        self.report.feed_rollout_clocks(self.readiness)
+        self.readiness.step_finished()
+        step_metrics, plan, signals = self._decide_at_boundary()
+        step_metrics.update(self._apply_plan(plan, signals))
+        mode = self.ref.step_mode() if self.use_reference_policy else None
+        step_metrics["tide/ra2p/next_ref_share"] = share = self.ref.split_share() if mode is RA2PMode.SPLIT else 0.0
+        if self.exporter is not None and mode is not None:
+            self.exporter.update_from_ra2p(mode.value, share, step_metrics)
+        self._elastic_batch = plan.batch_size
+        relaunched = self.health.before_sync()
+        sync_start = self.clock()
+        self.health.sync_weights(super().on_step_end, self.rollout_roles)
+        # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
+        self.readiness.rollout_waited(self.clock() - sync_start)
+        self.report.feed_rollout_clocks(self.readiness, report=False)
+        if self.elastic is not None:
+            step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
+        step_metrics.update(self.health.after_sync(dict(relaunched), self.rollout_roles))
+        pending = verl_compat.pending_sync_metrics(self)
+        pending.update(step_metrics)
+        pending.update(eval_metrics)
+        if eval_metrics and self.exporter is not None:
+            self.exporter.update_from_eval(eval_metrics)
+
+    def on_train_end(self):
+        super().on_train_end()
+        self.ref.shutdown()
+        if self.overlapped_eval is not None:
+            self.overlapped_eval.close()
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+
+    # ---- the step boundary -------------------------------------------------------------------
+    def _phase(self):
+        return boundary.ers_phase(self.global_steps, self.total_training_steps, int(self.config.trainer.test_freq),
+                                  self.overlapped_eval is not None)
+
+    def _decide_at_boundary(self) -> tuple[dict[str, Any], Any, Any]:
+        """This step's metrics, RA2P's mode for the next step and ERS's plan, from the planner (one code path with
+        the simulator's)."""
+        step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
+        boundary.observe_stage_times(self.stage_timer, verl_compat.step_timing(self), step_tokens,
+                                     self.ref.swap_seconds(self.global_steps))
+        inputs = boundary.boundary_inputs(
+            self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
+            self.stage_timer, max(1, self.actor_rollout_wg.world_size), self.tide_config.ra2p.ref_ranks,
+            self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
+            bool(self.use_reference_policy))
+        tide = self.tide_config
+        decision = self.planner.decide(
+            inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
+                                                      ras_break_even=be),
+            self.rollout_roles, phase=self._phase(), elastic_ref=self.elastic is not None,
+            # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
+            ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
+        signals, plan = decision.signals, decision.plan
+        m: dict[str, Any] = self.ledger.snapshot()
+        m.update(boundary.decision_metrics(decision, step_tokens, self.stage_timer))
+        m["tide/rollout/ranks_quarantined"] = float(len(self.quarantined))
+        m["tide/ra2p/uses_ref"] = float(self.use_reference_policy)
+        m.update(self.advice.update(signals, self.rollout_roles, self.quarantined, self.global_steps,
+                                    self._phase() is Phase.EVAL))
+        # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
+        m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})
+        m.update(self.ref.handoff_counters)
+        m.update(self.report.ctb_metrics())
+        m.update(self.report.engine_hit_rates(self.quarantined))
+        return m, plan, signals
+
+    def _apply_plan(self, plan, signals) -> dict[str, Any]:
+        """Move the plan's ranks (before the weight sync) and report roles and RA2P's next mode after it."""
+        applied, note = boundary.apply_plan(plan, self.planner.ers, self.elastic, self.rollout_roles,
+                                            self.global_steps >= self.total_training_steps)
+        print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({note}); RA2P: "
+              f"{self.ref.text(self.use_reference_policy)}; ledger: {ledger_text(self.ledger)}", flush=True)
+        m = boundary.roles_metrics(applied, self.rollout_roles)
+        if self.ref.pool is not None:
+            m["tide/ra2p/ref_replicas"] = float(self.ref.replicas_up())
+        if self.exporter is not None:
+            self.exporter.update_from_ers(plan, signals, self.rollout_roles)
+            self.exporter.update_from_ledger(self.ledger)
+        return m

@@ -1,0 +1,124 @@
+"""Every place trainer `tide` reaches into verl beyond its registry and hooks, one function each.
+
+verl 0.9.1 offers no public way for these (private attributes, a grandparent's method called past the
+parent, one method copied to change a count). Each function names the verl version it was written
+against and, if verl changes under it, fails at once with a message that says what is missing, instead
+of an AttributeError deep inside a training step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transfer_queue import KVBatchMeta
+
+VERL_VERSION = "0.9.1"
+
+
+class VerlChanged(RuntimeError):
+    """verl no longer has something trainer `tide` relies on."""
+
+
+def _installed_verl() -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version("verl")
+    except Exception:  # noqa: BLE001  (only for the message)
+        return "unknown"
+
+
+def reach(obj: Any, name: str, what: str) -> Any:
+    """`obj.name`, or a `VerlChanged` naming it, what it is for, and the verl version it was written against."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise VerlChanged(
+            f"verl-tide reads {type(obj).__name__}.{name} ({what}), which verl {VERL_VERSION} has and the "
+            f"installed verl {_installed_verl()} does not: install verl=={VERL_VERSION} or update "
+            "verl_tide/trainer/verl_compat.py") from None
+
+
+def dispatch_layout(worker_group: Any, mesh: str) -> list[int]:
+    """The data-parallel rank of each worker of `worker_group` on `mesh` (verl 0.9.1 caches it in
+    `_dispatch_info`, filled by `_query_dispatch_info`): RA2P's hand-off gives each Ref rank the samples its
+    own process trains."""
+    info = reach(worker_group, "_dispatch_info", "data-parallel layout cache of a worker group")
+    if mesh not in info:
+        info[mesh] = reach(worker_group, "_query_dispatch_info", "data-parallel layout query")(mesh)
+    return list(info[mesh])
+
+
+def step_timing(trainer: Any) -> dict[str, float]:
+    """The step's stage timers (`timing_raw`: old_log_prob, update_actor, ...), which verl fills per step."""
+    return reach(trainer, "timing_raw", "the step's stage timers")
+
+
+def pending_sync_metrics(trainer: Any) -> dict[str, Any]:
+    """Metrics separate_async logs with the step after the weight sync (`_pending_sync_metrics`)."""
+    return reach(trainer, "_pending_sync_metrics", "metrics logged after the weight sync")
+
+
+def load_balancer(server_manager: Any) -> Any:
+    """The rollout pool's load-balancer actor (`LLMServerManager.global_load_balancer`): CTB's router."""
+    return reach(server_manager, "global_load_balancer", "the rollout pool's load balancer")
+
+
+def server_handle(replica: Any) -> Any:
+    """A rollout replica's server actor (`server_handle`), for health checks."""
+    return reach(replica, "server_handle", "a rollout replica's server actor")
+
+
+def reward_workers(trainer: Any) -> Any:
+    """The reward loop's worker handles (None when rewards run on the trainer's GPUs)."""
+    manager = reach(trainer, "reward_loop_manager", "verl's reward loop")
+    return reach(manager, "reward_loop_worker_handles", "the reward loop's workers")
+
+
+def init_without_separate_async(trainer: Any, config: Any) -> None:
+    """`PPOTrainer.__init__` past separate_async's own (which checks a config block tide replaces)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    PPOTrainer.__init__(trainer, config)
+
+
+def setup_without_colocated_rollout(trainer: Any) -> None:
+    """`PPOTrainer._setup` past separate_async's (which would build hybrid replicas on the trainer's GPUs):
+    worker groups and the reward loop only; trainer tide builds its own rollout pool."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    PPOTrainer._setup(trainer)
+
+
+def blocking_validate(view: Any) -> dict:
+    """`PPOTrainer._validate` on a view of the trainer (the overlapped evaluation pins its weights' step)."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    return PPOTrainer._validate(view)
+
+
+def train_mini_batches(trainer: Any, count: int, sample_batch_size: int, metrics: dict,
+                       timing_raw: dict) -> KVBatchMeta:
+    """`PPOTrainer.step` of verl 0.9.1 with `count` mini-batches instead of `parameter_sync_step` (ERS's elastic
+    batch): verl derives the mini-batch size from the same count, so the loop is copied, not reused."""
+    from transfer_queue import KVBatchMeta
+    from verl.trainer.ppo.v1.utils import MetricsAggregator
+
+    step_once = reach(trainer, "_step_once", "one PPO mini-batch update")
+    aggregator = MetricsAggregator()
+    prepare_metrics = trainer.prepare_step()
+    if prepare_metrics:
+        aggregator.add_step_metrics(prepare_metrics)
+    keys, tags, partition_id = [], [], "train"
+    for trigger_idx in range(count):
+        trainer.local_trigger_step = trigger_idx
+        iter_metrics: dict = {}
+        batch = step_once(iter_metrics, timing_raw, sample_batch_size)
+        aggregator.add_step_metrics(iter_metrics,
+                                    sample_count=sum(not tag.get("is_padding", False) for tag in batch.tags))
+        keys.extend(batch.keys)
+        tags.extend(batch.tags)
+        partition_id = batch.partition_id
+    metrics.update(aggregator.get_aggregated_metrics())
+    return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
