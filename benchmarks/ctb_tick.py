@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 from verl_tide.ctb.policy import CTBScheduler, TaskState
 
 

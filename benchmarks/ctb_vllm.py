@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import aiohttp
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 from verl_tide.ctb.gate import TurnGate
 from verl_tide.ctb.policy import CTBScheduler
 from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate

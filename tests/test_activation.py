@@ -10,7 +10,7 @@ import sysconfig
 import pytest
 import yaml
 
-from verl_tide.config import defaults_as_dict
+from verl_tide.core.config import defaults_as_dict
 
 # Stock verl: no .pth processing (-S) hides the editable verl-tide install, so neither the Hydra
 # search-path plugin nor `verl_tide` can be imported; VERL_USE_EXTERNAL_PLUGINS=none skips entry points.
@@ -117,7 +117,7 @@ def test_check_layout_accepts_separate_rollout_and_names_each_problem():
     the trainer without the callback)."""
     from omegaconf import OmegaConf
 
-    from verl_tide.config import TideConfigError
+    from verl_tide.core.config import TideConfigError
     from verl_tide.job_config import check_layout
 
     def layout(nnodes=1, backend="nccl", tb=8, mb=4, sampler=None):

@@ -9,7 +9,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_tide.config import TideConfig, TideConfigError, defaults_as_dict, parse_tide_config
+from verl_tide.core.config import TideConfig, TideConfigError, defaults_as_dict, parse_tide_config
 
 ENABLED_YAML = Path(__file__).resolve().parents[1] / "verl_tide" / "conf" / "tide" / "enabled.yaml"
 

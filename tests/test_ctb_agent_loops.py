@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from verl_tide.ctb.agent_loops import CTBTrajectoryMixin
-from verl_tide.ctb.ids import group_of
+from verl_tide.core.request_ids import group_of
 
 
 class _Remote:

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.ctb.policy import CTBScheduler, Outcome
 

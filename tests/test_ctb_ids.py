@@ -1,6 +1,6 @@
 """GRPO group ids carried in trajectory request ids (the only field verl's router protocol gives)."""
 
-from verl_tide.ctb.ids import group_of, trajectory_request_id
+from verl_tide.core.request_ids import group_of, trajectory_request_id
 
 
 def test_members_of_a_group_share_the_group_and_differ_as_requests():
@@ -21,7 +21,7 @@ def test_a_group_id_containing_the_separator_still_round_trips_to_one_group():
 
 
 def test_evaluation_trajectories_are_marked_and_keep_their_group():
-    from verl_tide.ctb.ids import EVAL_FIELD, is_eval_prompt, is_eval_request
+    from verl_tide.core.request_ids import EVAL_FIELD, is_eval_prompt, is_eval_request
 
     ev, tr = trajectory_request_id("g1", is_eval=True), trajectory_request_id("g1")
     assert is_eval_request(ev) and not is_eval_request(tr)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 
 

@@ -45,7 +45,7 @@ async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary()
 
 
 async def test_evaluation_trajectories_are_admitted_before_waiting_training_ones():
-    from verl_tide.ctb.ids import trajectory_request_id
+    from verl_tide.core.request_ids import trajectory_request_id
 
     lb = _lb()
     for rid in ("a", "b"):  # fill both ranks
@@ -248,7 +248,7 @@ async def test_a_nearly_finished_large_group_does_not_outrank_evaluation_through
     """Table 1: evaluation > group completion. The completion term is a fraction of the GRPO group, so the
     router must know verl's rollout.n; with 11 of 16 siblings finished a training task still waits behind
     an evaluation task."""
-    from verl_tide.ctb.ids import trajectory_request_id
+    from verl_tide.core.request_ids import trajectory_request_id
 
     lb = CTBLoadBalancer({"s0": "handle0"}, {"kv_capacity_tokens": 1000, "idle_finish_s": 30,
                                              "ctb": {"kv_headroom": 1.0}, "group_size": 16, "eval_group_size": 2})
@@ -280,7 +280,7 @@ def test_the_router_refuses_a_group_size_that_is_not_a_positive_integer():
 async def test_the_router_hands_out_each_groups_finish_time_once_and_the_task_type_reaches_ctb():
     import time
 
-    from verl_tide.ctb.ids import trajectory_request_id
+    from verl_tide.core.request_ids import trajectory_request_id
 
     lb = _lb()
     rid = trajectory_request_id("g")

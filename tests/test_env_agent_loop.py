@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
 from verl.workers.rollout.replica import TokenOutput
-from verl_tide.config import TideConfigError
+from verl_tide.core.config import TideConfigError
 from verl_tide.env.agent_loop import AGENT_NAME, EnvAgentLoop
 from verl_tide.env.server import EnvServer, ServerConfig
 

@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from verl_tide.ctb.ids import EVAL_FIELD
+from verl_tide.core.request_ids import EVAL_FIELD
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_tide.ledger import GoodputLedger, Outcome
+from verl_tide.core.ledger import GoodputLedger, Outcome
 
 
 class Clock:
@@ -88,3 +88,15 @@ def test_a_checkpointed_ledger_resumes_its_counts_and_elapsed_time():
     assert resumed.in_flight_groups == 2 and resumed.ready_groups == 1 and resumed.is_known("b")
     resumed.settle("b", Outcome.DROPPED_STALE)
     assert resumed.tokens[Outcome.DROPPED_STALE] == 50 and resumed.tokens[Outcome.CONSUMED] == 100
+
+
+def test_the_ledger_check_compares_settled_and_held_groups_with_the_submitted_ones():
+    ledger = GoodputLedger(clock=lambda: 0.0)
+    ledger.groups_submitted(3)
+    ledger.group_ready("a", 2, 10)
+    ledger.settle("a", Outcome.CONSUMED)
+    assert ledger.check(held=2) is None
+    # a group that vanished from the buffer without an outcome, or one held twice: the check says so
+    assert "1 groups settled + 1 held in the buffer != 3 submitted" in ledger.check(held=1)
+    assert ledger.check(held=3) is not None
+    assert ledger.check(held=-1) is not None

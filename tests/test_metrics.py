@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 from verl_tide.ctb.policy import CTBScheduler
 from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
 from verl_tide.metrics import TideMetrics
@@ -71,9 +71,9 @@ def test_exporter_serves_ctb_state_on_loopback():
 def test_exporter_reports_an_ers_step():
     from prometheus_client import generate_latest
 
-    from verl_tide.config import ERSConfig
+    from verl_tide.core.config import ERSConfig
     from verl_tide.ers.policy import ERSPolicy, Role
-    from verl_tide.readiness import ReadinessSignals
+    from verl_tide.core.readiness import ReadinessSignals
 
     signals = ReadinessSignals(ready_at_start=3, time_per_ready_microbatch=1.5, tprm_smoothed=1.25, hol_latency=9.0,
                                ready_volume=40, mean_step_time=5.0, generation_deficit=False,
@@ -114,7 +114,7 @@ def test_the_grafana_dashboard_queries_only_metrics_the_exporter_serves():
 
     from prometheus_client import generate_latest
 
-    from verl_tide.ledger import GoodputLedger
+    from verl_tide.core.ledger import GoodputLedger
 
     dashboard = json.loads((Path(__file__).parent.parent / "dashboards" / "verl-tide.grafana.json").read_text())
     queried = {name for panel in dashboard["panels"] for t in panel["targets"]

@@ -1,5 +1,5 @@
 """One decision path: the step-boundary decision (RA2P's mode and split share, the break-even RAS, ERS's plan) is
-`verl_tide.planner`, called by trainer `tide` (through trainer/boundary.py) and by the simulator. A trace the
+`verl_tide.core.planner`, called by trainer `tide` (through trainer/boundary.py) and by the simulator. A trace the
 simulator records replays through the planner as trainer `tide` builds it, from inputs built by the trainer's
 own adapter, to the same decisions."""
 
@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 
-from verl_tide.config import parse_tide_config
+from verl_tide.core.config import parse_tide_config
 from verl_tide.ers.policy import Role
-from verl_tide.planner import BoundaryPlanner, replay
+from verl_tide.core.planner import BoundaryPlanner, replay
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.workload import load_workload

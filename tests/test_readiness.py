@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from verl_tide.readiness import (
+from verl_tide.core.readiness import (
     mini_batch_ready_times,
     ReadinessTracker,
     post_start_gaps,

@@ -281,7 +281,7 @@ def test_bench_min_batch_adds_tide_with_ers_elastic_batch(tmp_path, capsys):
 def test_tide_trains_ers_elastic_batch_when_b_min_is_below_b_ideal():
     """As trainer `tide` does: a step trains the plan's batch (what was ready, within [B_min, B_ideal]) in whole
     micro-batches. B_min = B_ideal (the default) keeps every step full; B_min = 1 lets a step start small."""
-    from verl_tide.config import ERSConfig
+    from verl_tide.core.config import ERSConfig
 
     w = load_workload(TINY)
     full = Simulation(w, 8, TIDE, seed=3)

@@ -97,7 +97,7 @@ def test_without_a_ref_pool_restored_ref_roles_start_as_rollout_with_a_warning(c
 
 
 def test_ers_cooldowns_survive_a_checkpoint_in_the_new_and_the_old_format():
-    from verl_tide.config import parse_tide_config
+    from verl_tide.core.config import parse_tide_config
     from verl_tide.ers.policy import ERSPolicy, Role
 
     ers = ERSPolicy(parse_tide_config({}).ers, ideal_batch=8)
@@ -114,7 +114,7 @@ def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
     ready data (prompts x n sequences) would look like n steps' worth and hide every generation deficit."""
     from omegaconf import OmegaConf
 
-    from verl_tide.config import parse_tide_config
+    from verl_tide.core.config import parse_tide_config
     from verl_tide.trainer import ideal_batch
 
     job = OmegaConf.create({"data": {"train_batch_size": 16}, "actor_rollout_ref": {"rollout": {"n": 8}}})
@@ -128,8 +128,8 @@ def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
     mode's wait and flatter decoupled mode's pipelining)."""
     from types import SimpleNamespace
 
-    from verl_tide.config import parse_tide_config
-    from verl_tide.planner import BoundaryPlanner
+    from verl_tide.core.config import parse_tide_config
+    from verl_tide.core.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import StageTimer, colocated_cost, decoupled_cost
     from verl_tide.trainer.boundary import boundary_inputs
 
@@ -156,8 +156,8 @@ def test_a_measured_swap_reaches_the_cost_model_and_can_change_the_chosen_mode()
     the Ref on the Actor's GPUs wins here, with a measured 2 s swap decoupled mode does."""
     from types import SimpleNamespace
 
-    from verl_tide.config import parse_tide_config
-    from verl_tide.planner import BoundaryPlanner
+    from verl_tide.core.config import parse_tide_config
+    from verl_tide.core.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import RA2PMode, StageTimer
     from verl_tide.trainer.boundary import boundary_inputs, observe_stage_times
 
@@ -198,7 +198,7 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
 
     from verl_tide.ers.policy import Role
     from verl_tide.metrics import TideMetrics
-    from verl_tide.readiness import ReadinessSignals
+    from verl_tide.core.readiness import ReadinessSignals
     from verl_tide.trainer.reporting import SplitAdviceReport
 
     (tmp_path / "config.json").write_text(json.dumps({

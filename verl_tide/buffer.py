@@ -14,8 +14,8 @@ from typing import Optional
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
-from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.readiness import ReadinessTracker
+from verl_tide.core.ledger import GoodputLedger, Outcome
+from verl_tide.core.readiness import ReadinessTracker
 
 TRAIN = "train"
 
@@ -58,6 +58,14 @@ class TideReplayBuffer(ReplayBufferAsync):
             self.ledger.group_ready(uid, samples, tokens)
             # ready when its last trajectory finished, not when verl's sampler polled (never in the future)
             self.readiness.micro_batch_ready(uid, max(samples, 1), t=min(now, finished.get(uid, now)))
+
+    def groups_held(self) -> int:
+        """GRPO groups TransferQueue holds for training now: submitted (verl writes a `pending` prompt key before
+        it dispatches), running, finished or failed, and not yet consumed or evicted. Counted from what exists,
+        not derived from the ledger's own counters: `settled + held == submitted` is the ledger's check."""
+        self._sync_metadata_from_transfer_queue()
+        return len(self.pending_keys[TRAIN] | self.running_keys[TRAIN] | self.finished_keys[TRAIN]
+                   | self.failure_keys[TRAIN])
 
     def _evict_terminal_groups(self, global_steps, partition_id, eviction_reasons):
         if partition_id == TRAIN:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from verl_tide.ctb.ids import EVAL_FIELD
+from verl_tide.core.request_ids import EVAL_FIELD
 
 
 class EvalMarkedLoader:

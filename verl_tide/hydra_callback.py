@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
-from verl_tide.config import TideConfig
+from verl_tide.core.config import TideConfig
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 
 

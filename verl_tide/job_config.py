@@ -6,7 +6,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_tide.config import TideConfig, TideConfigError, parse_tide_config
+from verl_tide.core.config import TideConfig, TideConfigError, parse_tide_config
 
 TRAINER_MODE = "tide"
 

@@ -5,7 +5,7 @@ load-balancer protocol never says when a trajectory ends; verl's `single_turn_ag
 `tool_agent` just stop calling. Left alone, CTB keeps charging finished trajectories until its
 idle timeout and admissions stall. These subclasses (registered in verl's agent-loop registry;
 `+tide=enabled` makes `tide_single_turn_agent` the default) run verl's loops unchanged, with the
-LLM client wrapped for the trajectory: request ids name the GRPO group (`ctb/ids.py`) and CTB is
+LLM client wrapped for the trajectory: request ids name the GRPO group (`core/request_ids.py`) and CTB is
 told `finish` when the loop returns or fails.
 """
 
@@ -17,7 +17,7 @@ from verl.experimental.agent_loop.agent_loop import register
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
 
-from verl_tide.ctb.ids import is_eval_prompt, router_method, trajectory_request_id
+from verl_tide.core.request_ids import is_eval_prompt, router_method, trajectory_request_id
 
 STOCK_TO_TIDE = {"single_turn_agent": "tide_single_turn_agent", "tool_agent": "tide_tool_agent"}
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from verl_tide.config import CTBConfig
+from verl_tide.core.config import CTBConfig
 
 TaskId = Hashable
 RankId = Hashable

@@ -29,9 +29,9 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from verl_tide.config import parse_tide_config
+from verl_tide.core.config import parse_tide_config
 from verl_tide.ctb.gate import TaskFailed, TurnGate
-from verl_tide.ctb.ids import group_of, is_eval_request
+from verl_tide.core.request_ids import group_of, is_eval_request
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.engine_metrics import EngineMetrics
 

@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopMetrics, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
-from verl_tide.config import TideConfigError, parse_tide_config
-from verl_tide.ctb.ids import is_eval_prompt, router_method, trajectory_request_id
+from verl_tide.core.config import TideConfigError, parse_tide_config
+from verl_tide.core.request_ids import is_eval_prompt, router_method, trajectory_request_id
 from verl_tide.env.client import EnvClient, EnvError
 
 logger = logging.getLogger(__name__)

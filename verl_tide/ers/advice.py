@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from verl_tide.readiness import ReadinessSignals
+from verl_tide.core.readiness import ReadinessSignals
 
 
 @dataclass(frozen=True)

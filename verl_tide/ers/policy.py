@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from verl_tide.config import ERSConfig
+from verl_tide.core.config import ERSConfig
 from verl_tide.ra2p.cost import RA2PMode
-from verl_tide.readiness import ReadinessSignals
+from verl_tide.core.readiness import ReadinessSignals
 
 
 class Role(str, Enum):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Optional
 
-from verl_tide.readiness import ready_gaps
+from verl_tide.core.readiness import ready_gaps
 
 
 class RA2PMode(str, Enum):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
-from verl_tide.config import ERSConfig
+from verl_tide.core.config import ERSConfig
 from verl_tide.sim.cluster import Result, Simulation, SystemSpec
 from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload

@@ -31,14 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Optional
 
-from verl_tide.config import CTBConfig, ERSConfig, RA2PConfig
+from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
 from verl_tide.ers.policy import ERSPolicy, Phase, Role  # noqa: F401  (ERSPolicy: mini_batches)
-from verl_tide.planner import BoundaryInputs, BoundaryPlanner, StageRates
+from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  split_cost, streaming_swap_cost)
-from verl_tide.readiness import ReadinessTracker
+from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload
@@ -190,7 +190,7 @@ class Simulation:
         self.trainer_free_at = 0.0  # end of the last update + sync
         self.step_open: Optional[dict] = None
         self.tracker = ReadinessTracker(clock=lambda: self.t)
-        # the step-boundary decision, as trainer tide makes it (verl_tide/planner.py); RA2P's aggregation cap is
+        # the step-boundary decision, as trainer tide makes it (verl_tide/core/planner.py); RA2P's aggregation cap is
         # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
         self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
                                              tide_ers, self.B, elastic=spec.elastic)

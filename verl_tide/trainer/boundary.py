@@ -1,4 +1,4 @@
-"""Trainer `tide`'s adapter to the step-boundary planner (`verl_tide.planner`): what the running job measured,
+"""Trainer `tide`'s adapter to the step-boundary planner (`verl_tide.core.planner`): what the running job measured,
 as the planner's inputs, and the plan applied to the elastic ranks.
 
 Why apart: these are the only lines where the trainer's state becomes decision inputs. Keeping them as
@@ -12,7 +12,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Optional
 
 from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
-from verl_tide.planner import BoundaryDecision, BoundaryInputs, StageRates
+from verl_tide.core.planner import BoundaryDecision, BoundaryInputs, StageRates
 from verl_tide.ra2p.cost import StageTimer
 
 

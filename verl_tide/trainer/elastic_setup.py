@@ -8,7 +8,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from verl_tide.config import TideConfig, TideConfigError
+from verl_tide.core.config import TideConfig, TideConfigError
 from verl_tide.ers.policy import RankMove, Role
 
 

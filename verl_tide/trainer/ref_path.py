@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
-from verl_tide.config import TideConfig, TideConfigError
-from verl_tide.planner import BoundaryPlanner
+from verl_tide.core.config import TideConfig, TideConfigError
+from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
 from verl_tide.ra2p.cost import RA2PMode, StageTimer

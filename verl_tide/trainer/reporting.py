@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import Role
-from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.readiness import ReadinessSignals, ReadinessTracker
+from verl_tide.core.ledger import GoodputLedger, Outcome
+from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
 from verl_tide.trainer.verl_compat import load_balancer
 
 logger = logging.getLogger(__name__)
@@ -36,9 +36,9 @@ class RolloutReport:
         replay buffer stamps a group ready then, not when verl's sampler polls."""
         import ray
 
-        from verl_tide.ctb.ids import SEP
+        from verl_tide.core.request_ids import SEP
 
-        by_group = {uid.replace(SEP, "_"): uid for uid in uids}  # the router's group ids (ctb/ids.py)
+        by_group = {uid.replace(SEP, "_"): uid for uid in uids}  # the router's group ids (core/request_ids.py)
         try:
             wall = ray.get(self._router().group_finish_times.remote(list(by_group)), timeout=30)
         except Exception as e:  # readiness falls back to the poll time; training goes on

@@ -7,7 +7,7 @@ TransferQueue as soon as it is ready, and pushes weights to every rollout rank a
 
 - `ref_path.RefPath`: where ref log-probs come from in RA2P's mode for the step (decoupled, colocated with
   ready-batch aggregation, split; the zero-copy hand-off);
-- `verl_tide.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
+- `verl_tide.core.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
   the next step and ERS's plan, from the readiness signals and the measured stage times;
 - `rank_health.RankHealth`: quarantine and relaunch of rollout ranks, a weight sync that survives a death;
 - `checkpoint.py`: tide's state beside verl's checkpoint; `reporting.py`: what each step logs;
@@ -36,10 +36,10 @@ from verl_tide.buffer import TideReplayBuffer
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
-from verl_tide.ledger import GoodputLedger, Outcome
-from verl_tide.planner import BoundaryPlanner
+from verl_tide.core.ledger import GoodputLedger, Outcome
+from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
-from verl_tide.readiness import ReadinessTracker
+from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
@@ -118,7 +118,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
             train_batch_size=int(self.config.data.train_batch_size),
         )
-        buffer.on_evicted = self.ref.forget_scored
+        buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
         if self.tide_config.ctb.enabled:
             # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
             buffer.finish_times = lambda uids: self.report.group_finish_times(uids, self.clock) if self.report else {}
@@ -426,6 +426,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
             ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
         signals, plan = decision.signals, decision.plan
         m: dict[str, Any] = self.ledger.snapshot()
+        held = self.replay_buffer.groups_held()
+        m["tide/ledger/groups_held"] = float(held)  # counted in TransferQueue, not derived from the ledger
+        imbalance = self.ledger.check(held)
+        if imbalance:
+            print(f"verl-tide step {self.global_steps} WARNING: {imbalance}", flush=True)
         m.update(boundary.decision_metrics(decision, step_tokens, self.stage_timer))
         m["tide/rollout/ranks_quarantined"] = float(len(self.quarantined))
         m["tide/ra2p/uses_ref"] = float(self.use_reference_policy)

@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from verl_tide.config import ERSConfig, RA2PConfig
+from verl_tide.core.config import ERSConfig, RA2PConfig
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimer, StageTimes, best_split, choose_mode,
                                  decoupled_break_even_ras, ref_rank_outlook)
-from verl_tide.readiness import ReadinessSignals, mini_batch_ready_times
+from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 
 
 @dataclass(frozen=True)

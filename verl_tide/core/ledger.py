@@ -85,8 +85,19 @@ class GoodputLedger:
 
     @property
     def in_flight_groups(self) -> int:
-        """Submitted and not settled: still generating, or ready and not yet consumed."""
+        """Submitted and not settled: still generating, or ready and not yet consumed. Derived; `check` compares it
+        with the groups the replay buffer really holds."""
         return self.submitted - self.settled_groups
+
+    def check(self, held: int) -> Optional[str]:
+        """None when every submitted group is settled or held (`held`: counted in TransferQueue by the replay
+        buffer); else what does not add up. A group lost without an outcome, settled twice or counted under the
+        wrong uid shows here."""
+        settled = self.settled_groups
+        if held < 0 or settled + held != self.submitted:
+            return (f"goodput ledger does not balance: {settled} groups settled + {held} held in the buffer "
+                    f"!= {self.submitted} submitted")
+        return None
 
     def goodput(self, now: Optional[float] = None) -> float:
         """Consumed tokens per wall-clock second since the first submission."""
