@@ -17,9 +17,11 @@ same architecture (random init, `--layers/--hidden`). Four ways to run the step,
 
 A "swap" loads the other model's weights into the one device-resident module (a real copy of every
 parameter, from a pinned host copy on GPU). Stage times (t_ref, t_act_f, t_act_b, t_swap) are
-measured first and fed to the cost model (`verl_tide.ra2p.cost`); the chosen mode is what
-`choose_mode` picks from them. Prints a table; `--json PATH` writes
-{"patterns": [{"name", "chosen", "modes": {MODE: {"measured_s", "predicted_s"}}}], "stage_times": ...}.
+learned out of sample, as trainer `tide` learns them: a calibration run (one batch size) feeds the
+trainer's online estimator (`StageTimer`) pass by pass; its rates then predict runs of another batch size
+(`--test-mb-size`, `--test-micro-batches`) under every arrival pattern, in every mode. The whole
+calibrate-then-predict round repeats (`--repeats`, default 3) and the table reports each repeat's error and
+how often the cost model's choice (`choose_mode`) was the measured best. `--json PATH` writes every repeat.
 CPU: `python benchmarks/ra2p_step.py`. GPU (one device; decoupled then shares it between two
 processes; a 0.70B random-init Llama, torch and transformers only, no verl, no network):
 `bash benchmarks/ra2p_step_gpu.sh` (writes benchmarks/results/ra2p_step_<gpu name>.json).
@@ -108,20 +110,6 @@ class Colocated:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sync()
-
-
-def calibrate(args, w: Colocated, data) -> dict:
-    """Median stage times over a few repetitions (after a warm-up)."""
-    t = {"ref": [], "act_f": [], "act_b": [], "swap": []}
-    w.swap("actor")
-    for i in range(args.calib + 1):
-        ids = data[i % len(data)]
-        s = time.perf_counter(); w.swap("ref"); t["swap"].append(time.perf_counter() - s)
-        s = time.perf_counter(); ref = w.ref_forward(ids); t["ref"].append(time.perf_counter() - s)
-        s = time.perf_counter(); w.swap("actor"); t["swap"].append(time.perf_counter() - s)
-        s = time.perf_counter(); logp = w.actor_forward(ids); w.sync(); t["act_f"].append(time.perf_counter() - s)
-        s = time.perf_counter(); w.actor_backward(logp, ref); t["act_b"].append(time.perf_counter() - s)
-    return {k: statistics.median(v[1:] if len(v) > 2 else v) for k, v in t.items()}
 
 
 def wait_until(start: float, at: float) -> None:
@@ -319,34 +307,37 @@ def hardware(device: str) -> str:
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=8000)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--mb-size", type=int, default=2)
-    ap.add_argument("--micro-batches", type=int, default=8)
-    ap.add_argument("--calib", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
-    ap.add_argument("--json")
-    args = ap.parse_args()
+def calibrate_online(args, w: Colocated, data, timer) -> None:
+    """Feed `timer` (the trainer's `StageTimer`: exponentially smoothed per-token rates) each pass of a short
+    colocated run, as trainer `tide` feeds it from a running job: Ref and Actor passes with their tokens, and
+    each swap. The first pass is a warm-up and not observed."""
+    tokens = args.mb_size * args.seq
+    w.swap("actor")
+    for i in range(args.calib + 1):
+        ids = data[i % len(data)]
+        timed = {}
+        s = time.perf_counter(); w.swap("ref"); timed["swap"] = time.perf_counter() - s
+        s = time.perf_counter(); ref = w.ref_forward(ids); timed["ref"] = time.perf_counter() - s
+        s = time.perf_counter(); w.swap("actor"); swap_back = time.perf_counter() - s
+        s = time.perf_counter(); logp = w.actor_forward(ids); w.sync(); timed["act_f"] = time.perf_counter() - s
+        s = time.perf_counter(); w.actor_backward(logp, ref); timed["act_b"] = time.perf_counter() - s
+        if i == 0:
+            continue
+        for stage in ("ref", "act_f", "act_b"):
+            timer.observe(stage, tokens, timed[stage])
+        timer.observe("swap", 0, timed["swap"])
+        timer.observe("swap", 0, swap_back)
 
-    import torch
 
-    from verl_tide.ra2p.cost import StageTimes, best_split, choose_mode
+def measure_patterns(args, w: Colocated, data, times, names=None) -> list[dict]:
+    """Every mode of every arrival pattern, measured, beside the cost model's prediction from `times`."""
+    from verl_tide.ra2p.cost import best_split, choose_mode
 
-    torch.set_num_threads(args.threads)
-    data = batches(args)
-    w = Colocated(args)
-    st = calibrate(args, w, data)
-    times = StageTimes(t_ref=st["ref"], t_act_f=st["act_f"], t_act_b=st["act_b"], t_swap=st["swap"])
     t_act = times.t_act_f + times.t_act_b
-    print(f"stage times (s): ref {times.t_ref:.3f}  act_f {times.t_act_f:.3f}  act_b {times.t_act_b:.3f}  "
-          f"swap {times.t_swap:.3f}", flush=True)
     rows = []
     for name, arrivals in patterns(args.micro_batches, t_act).items():
+        if names is not None and name not in names:
+            continue
         choice = choose_mode(arrivals, times, actor_ranks=1, max_aggregate=args.micro_batches, hysteresis=0.0,
                              split_ref_t_ref=times.t_ref)
         share = best_split(arrivals, times, times.t_ref, args.micro_batches)[0]
@@ -365,21 +356,90 @@ def main() -> None:
                   flush=True)
         modes["split"]["share"], modes["split_half"]["share"] = share, 0.5
         rows.append({"name": name, "chosen": choice.mode.value, "modes": modes})
+    return rows
+
+
+def error_summary(repeats: list[list[dict]]) -> dict:
+    """Per pattern and mode: the relative prediction error (predicted / measured - 1) in each repeat, and how
+    often the cost model's choice was the measured best of the modes it chooses between."""
+    out: dict = {"errors": {}, "choice_was_best": 0, "choices": 0, "chosen_vs_best": []}
+    for rows in repeats:
+        for r in rows:
+            for mode, m in r["modes"].items():
+                out["errors"].setdefault(r["name"], {}).setdefault(mode, []).append(
+                    m["predicted_s"] / m["measured_s"] - 1)
+            best = min(r["modes"][m]["measured_s"] for m in ("colocated", "decoupled", "split"))
+            chosen = r["modes"][r["chosen"]]["measured_s"]
+            out["choices"] += 1
+            out["choice_was_best"] += chosen <= best * 1.0001
+            out["chosen_vs_best"].append(chosen / best)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--mb-size", type=int, default=2, help="rows per micro-batch of the calibration run")
+    ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches a step in the calibration run")
+    ap.add_argument("--test-mb-size", type=int, default=3, help="rows per micro-batch of the predicted runs")
+    ap.add_argument("--test-micro-batches", type=int, default=12, help="micro-batches a step, predicted runs")
+    ap.add_argument("--calib", type=int, default=4, help="passes of the calibration run (after a warm-up)")
+    ap.add_argument("--repeats", type=int, default=3, help="calibrate-then-predict rounds (the spread)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    import copy
+
+    import torch
+
+    from verl_tide.core.planner import StageRates
+    from verl_tide.ra2p.cost import StageTimer
+
+    torch.set_num_threads(args.threads)
+    test = copy.copy(args)
+    test.mb_size, test.micro_batches = args.test_mb_size, args.test_micro_batches
+    test_data = batches(test)
+    repeats, calibrations = [], []
+    for rep in range(args.repeats):
+        # Out of sample: the rates come from one run (the calibration batch size), as the trainer learns them
+        # online, and predict runs of another batch size and every arrival pattern.
+        w = Colocated(args)
+        timer = StageTimer()
+        calibrate_online(args, w, batches(args), timer)
+        rates = StageRates.from_timer(timer)
+        times = rates.stage_times(test.mb_size * test.seq)
+        calibrations.append(asdict(rates))
+        print(f"repeat {rep + 1}/{args.repeats}: rates learned online (s/token) ref {rates.ref:.2e} act_f "
+              f"{rates.act_f:.2e} act_b {rates.act_b:.2e}, swap {rates.swap_s:.4f}s; predicting {test.micro_batches} "
+              f"micro-batches of {test.mb_size} rows", flush=True)
+        repeats.append(measure_patterns(test, w, test_data, times))
+    summary = error_summary(repeats)
     print()
-    print(f"{'pattern':<11} {'chosen':<10} " + " ".join(f"{m:>22}" for m in MODES) + "   chosen/best  vs streaming")
-    for r in rows:
-        cells = " ".join(f"{r['modes'][m]['measured_s']:>9.2f} ({r['modes'][m]['predicted_s']:>8.2f})" for m in MODES)
-        best = min(r["modes"][m]["measured_s"] for m in ("colocated", "decoupled", "split"))
-        chosen = r["modes"][r["chosen"]]["measured_s"]
-        gain = 1 - chosen / r["modes"]["streaming_swap"]["measured_s"]
-        print(f"{r['name']:<11} {r['chosen']:<10} {cells}   {chosen / best:>10.3f}  {gain:>+10.1%}")
-    print("(cells: measured s (predicted s))")
+    print(f"{'pattern':<11} {'mode':<15} {'error per repeat (predicted/measured - 1)':<44} mean")
+    worst = 0.0
+    for name, by_mode in summary["errors"].items():
+        for mode, errs in by_mode.items():
+            worst = max(worst, max(abs(e) for e in errs))
+            print(f"{name:<11} {mode:<15} {'  '.join(f'{e:+7.1%}' for e in errs):<44} {statistics.mean(errs):+7.1%}")
+    ratios = summary["chosen_vs_best"]
+    print(f"worst |error| {worst:.1%}; the cost model's choice was the measured best in {summary['choice_was_best']} "
+          f"of {summary['choices']} steps (chosen/best: median {statistics.median(ratios):.3f}, max {max(ratios):.3f})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": args.device, "hardware": hardware(args.device),
+                       "date": time.strftime("%Y-%m-%d"),
                        "model": {"layers": args.layers, "hidden": args.hidden, "seq": args.seq},
-                       "micro_batches": args.micro_batches, "stage_times": asdict(times), "patterns": rows}, f,
-                      indent=2)
+                       "calibration": {"mb_size": args.mb_size, "micro_batches": args.micro_batches,
+                                       "passes": args.calib, "estimator": "StageTimer (online, smoothed)"},
+                       "predicted": {"mb_size": test.mb_size, "micro_batches": test.micro_batches},
+                       "rates_per_repeat": calibrations, "repeats": repeats, "worst_abs_error": worst,
+                       "choice_was_best": summary["choice_was_best"], "choices": summary["choices"],
+                       "errors": summary["errors"]}, f, indent=2)
 
 
 if __name__ == "__main__":
