@@ -121,7 +121,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
         if self.tide_config.ctb.enabled:
             # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
-            buffer.finish_times = lambda uids: self.report.group_finish_times(uids, self.clock) if self.report else {}
+            buffer.finish_times = lambda uids: (self.report.group_finish_times(uids, self.clock)
+                                                if getattr(self, "report", None) else {})
         return buffer
 
     def _init_dataloader(self):

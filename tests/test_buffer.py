@@ -1,0 +1,60 @@
+"""Trainer `tide`'s replay buffer (verl's async buffer, subclassed): when a group counts as ready, and what it
+holds. TransferQueue's listing is stood in for (`tq.kv_list`, the one call verl's metadata sync makes); the
+buffer against a running TransferQueue is in tests/test_tide_trainer_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def _listing():
+    """What `tq.kv_list()` returns: prompt keys with their status, trajectories `{uid}_{session}_{index}`."""
+    def prompt(status):
+        return {"is_prompt": True, "status": status, "global_steps": 1}
+    return {"train": {"a": prompt("finished"), "a_0_0": {"seq_len": 10}, "a_1_0": {"seq_len": 12},
+                      "b": prompt("running"), "b_0_0": {"seq_len": 7},
+                      "c": prompt("pending"), "d": prompt("failure")}}
+
+
+@pytest.fixture
+def buffer(monkeypatch):
+    import verl.trainer.ppo.v1.replay_buffer as verl_buffer
+
+    from verl_tide.buffer import TideReplayBuffer
+    from verl_tide.core.ledger import GoodputLedger
+    from verl_tide.core.readiness import ReadinessTracker
+
+    monkeypatch.setattr(verl_buffer.tq, "kv_list", _listing)  # unit only: no TransferQueue running here
+    clock = lambda: 100.0  # noqa: E731  (the poll happens at t = 100)
+    return TideReplayBuffer(readiness=ReadinessTracker(clock=clock), ledger=GoodputLedger(clock=clock), clock=clock,
+                            trainer_mode="separate_async", trainer_config={}, max_off_policy_threshold=2,
+                            max_off_policy_strategy="drop", sampler_kwargs={}, train_batch_size=4)
+
+
+def test_a_group_is_ready_when_its_last_trajectory_finished_not_when_verl_polls(buffer):
+    asked = []
+    buffer.finish_times = lambda uids: asked.append(list(uids)) or {"a": 93.5}  # CTB's router, on this clock
+    buffer._sync_metadata_from_transfer_queue()
+    assert asked == [["a"]]  # only the newly finished group
+    assert buffer.readiness._ready["a"].at == 93.5 and buffer.readiness._ready["a"].sequences == 2
+    assert buffer.ledger.ready() == {"a": (2, 22)}
+    buffer._sync_metadata_from_transfer_queue()
+    assert asked == [["a"]]  # known groups are not asked again
+
+
+def test_without_a_finish_time_a_group_is_stamped_at_the_poll_and_never_in_the_future(buffer):
+    buffer.finish_times = lambda uids: {"a": 250.0}  # a clock mismatch must not put readiness after the poll
+    buffer._sync_metadata_from_transfer_queue()
+    assert buffer.readiness._ready["a"].at == 100.0
+
+
+def test_the_buffer_counts_every_group_transfer_queue_holds_for_training(buffer):
+    """Pending (submitted, not started), running, finished and failed groups: what the ledger calls in flight."""
+    from verl_tide.core.ledger import Outcome
+
+    buffer.ledger.groups_submitted(5)
+    buffer.ledger.settle("e", Outcome.CONSUMED, 2, 20)  # trained earlier: no longer in TransferQueue
+    assert buffer.groups_held() == 4
+    assert buffer.ledger.check(buffer.groups_held()) is None
+    buffer.ledger.groups_submitted(1)  # a group the buffer never saw: the check says so
+    assert buffer.ledger.check(buffer.groups_held()) is not None
