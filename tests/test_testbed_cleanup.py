@@ -68,3 +68,33 @@ def test_step_metrics_survive_a_line_ray_split_in_two():
     steps = parse_step_metrics(output)
     assert steps == {12: {"a": 1.0, "b": 2.5}, 13: {"a": 3.0, "b": 4.0, "training/global_step": 13.0,
                                                          "c": 5.0}}
+
+
+def test_a_timed_out_job_is_killed_with_every_process_it_started_and_no_other():
+    """The launcher kills the job's own tree (its Ray cluster included, even a daemon in a session of its own),
+    never another job's processes: `ray stop --force` would stop every Ray cluster on the machine."""
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from verl_tide.testing.testbed import kill_process_tree
+
+    code = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+            "time.sleep(600)\n")
+    job = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not psutil.Process(job.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (daemon,) = psutil.Process(job.pid).children()
+        kill_process_tree(job.pid)
+        job.wait(timeout=30)
+        assert not daemon.is_running() or daemon.status() == psutil.STATUS_ZOMBIE
+        assert other.poll() is None  # another job's process lives on
+    finally:
+        other.kill()
+        other.wait(timeout=30)

@@ -424,6 +424,7 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
+@pytest.mark.timeout(2 * 900 + 300)  # two jobs of up to 900 s each (the suite's default limit is one job's)
 def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_factory):
     """With verl's Ref, the KL loss and the colocated hand-off: Ref passes score up to 4 groups ahead, so
     samples scored before the checkpoint may be trained after it; their rows lived in the first job's
@@ -467,6 +468,7 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_fa
     assert m["tide/ra2p/handoff_served_in_process"] == 8 and m["actor/kl_loss"] > 0, m
 
 
+@pytest.mark.timeout(1200 + 300)  # its job may take up to 1,200 s (a relaunch beside training)
 def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_lost(tiny_model_path, tmp_path_factory):
     """Two rollout ranks; after step 1 one rank's server process is killed (SIGKILL). It is quarantined (its
     turns re-sent to the other rank), its server is relaunched in the background on the same workers, and at
@@ -480,7 +482,6 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
     import asyncio
     import os
     import signal
-    import subprocess
     import threading
 
     from verl_tide.env.server import EnvServer, ServerConfig
@@ -526,10 +527,15 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
             env.open.set()
         if killed or "step:1 - " not in line:
             return
-        pids = subprocess.run(["pgrep", "-f", "ray::CPUvLLMHttpServer"], capture_output=True, text=True).stdout.split()
+        # this job's own servers: descendants of this test's process (main_ppo -> raylet -> workers), never
+        # another job's on the same machine
+        import psutil
+
+        pids = sorted(p.pid for p in psutil.Process().children(recursive=True)
+                      if "ray::CPUvLLMHttpServer" in " ".join(_cmdline(p)))
         assert len(pids) == 2, pids
-        os.kill(int(pids[-1]), signal.SIGKILL)
-        killed.append(int(pids[-1]))
+        os.kill(pids[-1], signal.SIGKILL)
+        killed.append(pids[-1])
 
     with env_server_in_thread(env) as env_service_url:
         run = run_main_ppo(with_overrides(overrides, [f"tide.env.url={env_service_url}"]), cwd=work,
@@ -564,6 +570,15 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
                                                                      "dropped_failed"))
         assert settled + steps[n]["tide/ledger/groups_held"] == steps[n]["tide/ledger/groups_submitted"], steps[n]
     assert last["tide/ledger/groups_consumed"] == 4 * steps_total
+
+
+def _cmdline(process) -> list[str]:
+    import psutil
+
+    try:
+        return process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
 
 
 def test_groups_older_than_max_staleness_are_dropped_and_counted(job, tmp_path_factory):

@@ -183,11 +183,7 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
                             start_new_session=True)
 
     def kill_job() -> None:  # the driver and every process it started (Ray daemons hold the pipe open)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        stop_stray_ray()
+        kill_process_tree(proc.pid)
 
     timer = threading.Timer(timeout_s, kill_job)
     timer.start()
@@ -253,10 +249,27 @@ def env_server_in_thread(server: Any) -> Iterator[str]:
             loop.close()
 
 
-def stop_stray_ray() -> None:
-    """`ray stop` for a cluster that a killed driver left behind (no-op when none runs)."""
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, timeout=120, check=False)
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a job's driver, its process group and every process it started (its own Ray cluster: GCS,
+    raylet, workers, engines), and nothing else: `ray stop --force` would stop every Ray cluster on the
+    machine, another job's too. The descendants are listed before the kill (once their parent dies they are
+    re-parented and no longer found from it)."""
+    import psutil
+
+    try:
+        family = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in family:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(family, timeout=30)
 
 
 # What a test-bed run leaves in the temp dir: vLLM's torch.distributed file stores, verl's checkpoint-copy locks.
