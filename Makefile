@@ -16,7 +16,7 @@ $(STAMP): constraints/cpu.txt pyproject.toml scripts/setup-venv.sh scripts/vllm_
 test: venv
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
-## Only the tests that start no Ray cluster and no engine (seconds).
+## Only the tests that start no Ray cluster and no engine (7 minutes on 2 cores, 2026-12-01: see docs/testbed.md).
 test-fast: venv
 	$(PY) -m pytest -ra -m "not testbed" $(PYTEST_ARGS)
 

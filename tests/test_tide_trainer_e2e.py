@@ -202,8 +202,15 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     elastic Ref pool beside it; with one rollout rank ERS can lend none, so every step runs colocated. With
     tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass leaves its rows in the worker
     process, where the Actor's loss (same process) takes them; nothing goes through the Ref service. The
-    Actor role is tide's subclass too: its update takes the input fields the Ref pass read from the process."""
-    run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", ("tide.ers.max_ref_ranks=1",))
+    Actor role is tide's subclass too: its update takes the input fields the Ref pass read from the process.
+    The Actor's parameters are offloaded between passes (verl's param_offload), so Ref and Actor swap: tide's
+    Actor subclass measures one load + offload of verl's engine, and the cost model gets it (RA2P's swap term;
+    on CPU a "load" is a copy within host memory: small, but measured, not assumed)."""
+    run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", (
+        "tide.ers.max_ref_ranks=1", "actor_rollout_ref.actor.fsdp_config.param_offload=True"))
+    for n in steps:  # measured at step 1 (and every 10 steps), kept by the stage timer
+        assert steps[n]["tide/ra2p/swap_s"] > 0, steps[n]
+        assert steps[n]["tide/ra2p/predicted_colocated_s"] > 0, steps[n]
     assert "verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend up to 1" \
         in run.output
     # Step 1: Ref (verl's worker group) and Actor hold the same weights: verl's KL loss is 0; later it is not.
