@@ -20,9 +20,9 @@ import random
 import time
 
 from verl_tide.core.config import ERSConfig
+from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 from verl_tide.ers.policy import ERSPolicy, Role
 from verl_tide.ra2p.cost import StageTimes, choose_mode, decoupled_break_even_ras, ref_rank_outlook
-from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 
 MINI_BATCHES_PER_STEP = 16
 ACTOR_RANKS, ROLLOUT_RANKS = 20, 12

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from verl_tide.ctb.agent_loops import CTBTrajectoryMixin
 from verl_tide.core.request_ids import group_of
+from verl_tide.ctb.agent_loops import CTBTrajectoryMixin
 
 
 class _Remote:

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from verl_tide.ers.advice import SplitAdvisor, advise_split, rollout_rate_with, weight_kv_tokens
 from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.ers.advice import SplitAdvisor, advise_split, rollout_rate_with, weight_kv_tokens
 
 QWEN25_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
              "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}

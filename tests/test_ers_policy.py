@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_tide.core.config import ERSConfig
+from verl_tide.core.readiness import ReadinessSignals
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
 from verl_tide.ra2p.cost import RA2PMode
-from verl_tide.core.readiness import ReadinessSignals
 
 
 def signals(gen: bool = False, cons: bool = False, ready: int = 8) -> ReadinessSignals:

@@ -72,8 +72,8 @@ def test_exporter_reports_an_ers_step():
     from prometheus_client import generate_latest
 
     from verl_tide.core.config import ERSConfig
-    from verl_tide.ers.policy import ERSPolicy, Role
     from verl_tide.core.readiness import ReadinessSignals
+    from verl_tide.ers.policy import ERSPolicy, Role
 
     signals = ReadinessSignals(ready_at_start=3, time_per_ready_microbatch=1.5, tprm_smoothed=1.25, hol_latency=9.0,
                                ready_volume=40, mean_step_time=5.0, generation_deficit=False,

@@ -10,8 +10,8 @@ import dataclasses
 import pytest
 
 from verl_tide.core.config import parse_tide_config
-from verl_tide.ers.policy import Role
 from verl_tide.core.planner import BoundaryPlanner, replay
+from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.workload import load_workload

@@ -477,8 +477,8 @@ def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoup
     from types import SimpleNamespace
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.ers.policy import Role
     from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.ers.policy import Role
     from verl_tide.ra2p.cost import RA2PMode, StageTimer
     from verl_tide.trainer.boundary import boundary_inputs
 

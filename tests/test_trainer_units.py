@@ -196,9 +196,9 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     from omegaconf import OmegaConf
     from prometheus_client import generate_latest
 
+    from verl_tide.core.readiness import ReadinessSignals
     from verl_tide.ers.policy import Role
     from verl_tide.metrics import TideMetrics
-    from verl_tide.core.readiness import ReadinessSignals
     from verl_tide.trainer.reporting import SplitAdviceReport
 
     (tmp_path / "config.json").write_text(json.dumps({

@@ -11,11 +11,12 @@ from typing import TYPE_CHECKING, Any, Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 if TYPE_CHECKING:
+    from verl_tide.core.ledger import GoodputLedger
+    from verl_tide.core.readiness import ReadinessSignals
     from verl_tide.ctb.policy import CTBScheduler
     from verl_tide.ers.advice import SplitAdvice
     from verl_tide.ers.policy import Role, ScalingPlan
-    from verl_tide.core.ledger import GoodputLedger
-    from verl_tide.core.readiness import ReadinessSignals
+
 
 class TideMetrics:
     """verl-tide's Prometheus exporter: CTB state per rank, task outcomes, engine hit rates."""

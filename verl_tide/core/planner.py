@@ -5,8 +5,9 @@ Why one module: trainer `tide` and the simulator decide at the same moment (afte
 before the weight sync) from the same inputs: the last step's ready times, the per-token stage rates the
 job measured, and the Ref ranks it has. Written twice, the two had drifted (the break-even point on
 different Ref-rank counts, different aggregation limits, a pipeline-fill term on one side only). Both now
-build a `BoundaryInputs` and call `BoundaryPlanner.decide`; `tests/test_planner_replay.py` replays one
-recorded trace through the trainer's and the simulator's construction of the planner.
+build a `BoundaryInputs` and call `BoundaryPlanner.decide`; `tests/test_planner_replay.py` replays a trace
+the simulator recorded through the planner as the trainer builds it, from inputs built by the trainer's
+adapter (`verl_tide/trainer/boundary.py`).
 
 Pure Python (no verl, ray or torch); the readiness signals come in through a callable, computed once by
 the caller's `ReadinessTracker`.
@@ -21,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_tide.core.config import ERSConfig, RA2PConfig
+from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimer, StageTimes, best_split, choose_mode,
                                  decoupled_break_even_ras, ref_rank_outlook)
-from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 
 
 @dataclass(frozen=True)

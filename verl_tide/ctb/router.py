@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from verl_tide.core.config import parse_tide_config
-from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.core.request_ids import group_of, is_eval_request
+from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.engine_metrics import EngineMetrics
 

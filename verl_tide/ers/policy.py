@@ -15,8 +15,8 @@ from enum import Enum
 from typing import Optional
 
 from verl_tide.core.config import ERSConfig
-from verl_tide.ra2p.cost import RA2PMode
 from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.ra2p.cost import RA2PMode
 
 
 class Role(str, Enum):

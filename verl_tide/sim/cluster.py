@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
+from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
+from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
 from verl_tide.ers.policy import ERSPolicy, Phase, Role  # noqa: F401  (ERSPolicy: mini_batches)
-from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  split_cost, streaming_swap_cost)
-from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Optional
 
-from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
 from verl_tide.core.planner import BoundaryDecision, BoundaryInputs, StageRates
+from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
 from verl_tide.ra2p.cost import StageTimer
 
 

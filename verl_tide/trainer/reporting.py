@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
-from verl_tide.ers.policy import Role
 from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
+from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
+from verl_tide.ers.policy import Role
 from verl_tide.trainer.verl_compat import load_balancer
 
 logger = logging.getLogger(__name__)

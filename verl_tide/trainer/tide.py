@@ -33,13 +33,13 @@ from verl.workers.rollout.llm_server import LLMServerManager
 from verl.workers.rollout.utils import update_prometheus_config
 
 from verl_tide.buffer import TideReplayBuffer
+from verl_tide.core.ledger import GoodputLedger, Outcome
+from verl_tide.core.planner import BoundaryPlanner
+from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
-from verl_tide.core.ledger import GoodputLedger, Outcome
-from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
-from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
