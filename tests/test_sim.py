@@ -98,14 +98,19 @@ def test_engine_decode_slows_with_running_context():
 
 
 def _trajectory_conservation(sim: Simulation) -> None:
+    """The simulator's goodput accounting is the product's GoodputLedger (sequences as its unit): every training
+    sequence was submitted once and is settled (consumed, dropped failed) or held, counted from the simulation's
+    own state (generating, waiting for its group, ready, in the step being trained) as trainer tide counts what
+    TransferQueue holds."""
+    from verl_tide.core.ledger import GoodputLedger, Outcome
+
+    assert isinstance(sim.ledger, GoodputLedger)
     train = [t for t in sim.trajs.values() if not t.group.is_eval]
-    done = sum(1 for t in train if t.done and t.group.failed == 0)
-    leftover = len(sim.ready) + sum(mb[2] for mb in sim.micro_batches)
-    in_flight = sum(1 for t in train if not t.done)
-    unfinished_groups = sum(t.group.done + t.group.failed < t.group.size for t in train if t.done)
-    assert sim.ledger["consumed_sequences"] + leftover + unfinished_groups + sim.ledger["dropped_failed_sequences"] \
-        == done + sim.ledger["dropped_failed_sequences"]
-    assert done + in_flight + sim.ledger["dropped_failed_sequences"] == len(train)
+    assert sim.ledger.submitted == len(train)
+    assert sim.ledger.check(sim.sequences_held()) is None, (sim.ledger.snapshot(), sim.sequences_held())
+    failed = sum(t.done and t.tid not in t.group.finished for t in train)
+    assert sim.ledger.samples[Outcome.DROPPED_FAILED] == failed
+    assert sim.ledger.samples[Outcome.CONSUMED] + sim.sequences_held() + failed == len(train)
 
 
 @pytest.mark.parametrize("spec", [

@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
+from verl_tide.core.ledger import GoodputLedger
+from verl_tide.core.ledger import Outcome as LedgerOutcome
 from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
@@ -80,6 +82,7 @@ class Group:
     done: int = 0
     failed: int = 0
     tokens: list = field(default_factory=list)
+    finished: list = field(default_factory=list)  # tids of its trajectories that finished (with `tokens`)
 
     @property
     def is_eval(self) -> bool:
@@ -158,16 +161,18 @@ class Simulation:
         self.trajs: dict[int, Traj] = {}
         self.groups: list[Group] = []
         self.released_train_groups = 0
-        self.ready: deque = deque()  # (time, tokens) of sequences whose GRPO group completed
-        self.micro_batches: deque = deque()  # (mb_id, ready time, sequences, tokens)
+        self.ready: deque = deque()  # (time, tokens, tid) of sequences whose GRPO group completed
+        self.micro_batches: deque = deque()  # (mb_id, ready time, sequences, tokens, tids)
         self.mb_count = 0
         self.consumed_steps = 0
         self.eval_pending: list[Group] = []
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
         self.ref_idle_gpu_s = 0.0  # part of TWT: lent Ref ranks idle while the Actor computes (no data wait)
-        self.ledger = {"consumed_tokens": 0, "consumed_sequences": 0, "eval_tokens": 0, "dropped_failed_tokens": 0,
-                       "dropped_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
+        # Goodput: the product's ledger. Its unit of settlement here is a sequence (the simulator's micro-batches
+        # split GRPO groups; trainer tide's take whole groups), so its "groups" count sequences.
+        self.ledger = GoodputLedger(clock=lambda: self.t)
+        self.stats = {"eval_tokens": 0, "eval_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
         # roles
         if spec.sync:
             n_rollout = gpus
@@ -214,6 +219,8 @@ class Simulation:
         w, rng = self.w, self.rng
         g = Group(len(self.groups), step, size, prompt=w.prompt_tokens.sample_int(rng))
         self.groups.append(g)
+        if not g.is_eval:
+            self.ledger.groups_submitted(size)
         for _ in range(size):
             n = w.turns.sample_int(rng)
             actions = [w.action_tokens.sample_int(rng) for _ in range(n)]
@@ -290,14 +297,16 @@ class Simulation:
     def _fail(self, tr: Traj) -> None:
         tr.done = True
         tr.group.failed += 1
-        self.ledger["dropped_failed_sequences"] += 1
-        self.ledger["dropped_failed_tokens"] += tr.generated
+        if tr.group.is_eval:
+            self.stats["eval_failed_sequences"] += 1
+        else:
+            self.ledger.settle(tr.tid, LedgerOutcome.DROPPED_FAILED, samples=1, tokens=tr.generated)
         self._group_progress(tr.group)
 
     def _turn_finished(self, tr: Traj) -> None:
         tr.in_engine = None
         tr.generated += tr.actions[tr.turn]
-        self.ledger["generated_tokens"] += tr.actions[tr.turn]
+        self.stats["generated_tokens"] += tr.actions[tr.turn]
         tr.context += tr.actions[tr.turn]
         if self.ctb is not None:
             self.ctb.turn_finished(tr.tid)
@@ -311,6 +320,7 @@ class Simulation:
                 self.assigned[tr.rank] -= 1
             tr.group.done += 1
             tr.group.tokens.append(tr.trained_tokens)
+            tr.group.finished.append(tr.tid)
             self._group_progress(tr.group)
             return
         self._after(tr.latencies[tr.turn], "obs", tr)
@@ -329,17 +339,18 @@ class Simulation:
         if g.done + g.failed < g.size:
             return
         if g.is_eval:
-            self.ledger["eval_tokens"] += sum(g.tokens)
+            self.stats["eval_tokens"] += sum(g.tokens)
             return
-        for tok in g.tokens:
-            self.ready.append((self.t, tok))
+        for tok, tid in zip(g.tokens, g.finished):
+            self.ledger.group_ready(tid, 1, tok)
+            self.ready.append((self.t, tok, tid))
         self._form_micro_batches()
 
     def _form_micro_batches(self) -> None:
         while len(self.ready) >= self.mb_size:
             seqs = [self.ready.popleft() for _ in range(self.mb_size)]
             self.mb_count += 1
-            mb = (self.mb_count, self.t, len(seqs), sum(tok for _, tok in seqs))
+            mb = (self.mb_count, self.t, len(seqs), sum(tok for _, tok, _ in seqs), [tid for _, _, tid in seqs])
             self.micro_batches.append(mb)
             self.tracker.micro_batch_ready(mb[0], mb[2], t=self.t)
 
@@ -350,7 +361,7 @@ class Simulation:
         decoded = {id(req): req.action - (target - rr.progress) for target, _, req in rr.decoding}
         for req in rr.abort_all():
             tr = self.trajs[req.task]
-            self.ledger["regenerated_tokens"] += max(0, int(decoded.get(id(req), 0)))  # generated, lost, redone
+            self.stats["regenerated_tokens"] += max(0, int(decoded.get(id(req), 0)))  # generated, lost, redone
             tr.in_engine = None
             tr.pending = True
         if self.ctb is not None:
@@ -466,8 +477,7 @@ class Simulation:
             self.twt_gpu_s += len(self.ref_ranks) * ref_idle
             # of which not waiting for data (the Actor did not either): idle beside the Actor's passes
             self.ref_idle_gpu_s += len(self.ref_ranks) * max(0.0, ref_idle - actor_wait)
-        self.ledger["consumed_tokens"] += tokens
-        self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
+        self._consume(mbs)
         self.consumed_steps += 1
         self.step_open = None
         rec = StepRecord(self.consumed_steps, start, end, len(mbs), step["ras"], mode, len(self.ranks),
@@ -571,7 +581,8 @@ class Simulation:
             self._form_micro_batches()
             mbs = list(self.micro_batches)
             if self.ready:
-                mbs.append((0, self.t, len(self.ready), sum(tok for _, tok in self.ready)))
+                mbs.append((0, self.t, len(self.ready), sum(tok for _, tok, _ in self.ready),
+                            [tid for _, _, tid in self.ready]))
             self.micro_batches.clear()
             self.ready.clear()
             tokens = sum(mb[3] for mb in mbs)
@@ -580,8 +591,7 @@ class Simulation:
             start = self.t + self.costs.switch_s
             end = start + train
             self.phase_end = end + self.costs.switch_s + self.costs.sync_s
-            self.ledger["consumed_tokens"] += tokens
-            self.ledger["consumed_sequences"] += sum(mb[2] for mb in mbs)
+            self._consume(mbs)
             self.consumed_steps += 1
             self.step_records.append(StepRecord(self.consumed_steps, self._rollout_started, end, len(mbs), 0,
                                                 "sync", len(self.ranks), 0))
@@ -589,6 +599,20 @@ class Simulation:
             self._rollout_started = self.phase_end
             if self.progress:
                 self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s")
+
+    def _consume(self, mbs: list) -> None:
+        """The update took these micro-batches: each sequence settles as consumed in the goodput ledger."""
+        for mb in mbs:
+            for tid in mb[4]:
+                self.ledger.settle(tid, LedgerOutcome.CONSUMED)
+
+    def sequences_held(self) -> int:
+        """Training sequences generating, or ready and not consumed, counted from the simulation's own state
+        (not from the ledger): the ledger's check, as trainer tide counts what TransferQueue holds."""
+        generating = sum(1 for t in self.trajs.values() if not t.done and not t.group.is_eval)
+        waiting_for_siblings = sum(len(g.finished) for g in self.groups if not g.is_eval and g.done + g.failed < g.size)
+        taken = sum(mb[2] for mb in self.step_open["mbs"]) if self.step_open else 0  # by the step being trained
+        return generating + waiting_for_siblings + len(self.ready) + sum(mb[2] for mb in self.micro_batches) + taken
 
     def _failed_this_step(self) -> int:
         return sum(g.failed for g in self.groups if g.step == self.consumed_steps)
@@ -661,15 +685,23 @@ class Simulation:
         prompts = sum(r.prompt_tokens for r in self._all_ranks_seen())
         in_flight = sum(t.generated for t in self.trajs.values() if not t.done or
                         (not t.group.is_eval and t.group.step >= self.consumed_steps))
-        self.ledger["in_flight_tokens"] = in_flight
         return Result(
             system=self.spec.name, gpus=self.gpus, rollout_ratio=None if self.spec.sync else self.spec.rollout_ratio,
-            goodput_tok_s=self.ledger["consumed_tokens"] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
+            goodput_tok_s=self.ledger.tokens[LedgerOutcome.CONSUMED] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
             twt_s=self.twt_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
             step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
-            consumed_tokens=self.ledger["consumed_tokens"], ledger=dict(self.ledger),
+            consumed_tokens=self.ledger.tokens[LedgerOutcome.CONSUMED], ledger=self._ledger_report(in_flight),
             steps=[vars(s) for s in self.step_records], split_advice=self.split_advice,
             twt_ref_idle_s=self.ref_idle_gpu_s / self.gpus)
+
+    def _ledger_report(self, in_flight_tokens: int) -> dict:
+        """The bench JSON's `ledger`: the goodput ledger's outcomes and the simulator's token statistics."""
+        ledger, c, f = self.ledger, LedgerOutcome.CONSUMED, LedgerOutcome.DROPPED_FAILED
+        return {"consumed_tokens": ledger.tokens[c], "consumed_sequences": ledger.samples[c],
+                "eval_tokens": self.stats["eval_tokens"], "dropped_failed_tokens": ledger.tokens[f],
+                "dropped_failed_sequences": ledger.samples[f], "regenerated_tokens": self.stats["regenerated_tokens"],
+                "generated_tokens": self.stats["generated_tokens"], "in_flight_tokens": in_flight_tokens,
+                "in_flight_sequences": ledger.in_flight_groups, "eval_failed_sequences": self.stats["eval_failed_sequences"]}
 
     def _all_ranks_seen(self) -> list[RolloutRank]:
         return [*self.ranks.values(), *self._retired]
