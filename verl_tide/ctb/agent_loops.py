@@ -69,3 +69,12 @@ class TideSingleTurnAgentLoop(CTBTrajectoryMixin, SingleTurnAgentLoop):
 @register(STOCK_TO_TIDE["tool_agent"])
 class TideToolAgentLoop(CTBTrajectoryMixin, ToolAgentLoop):
     """verl's `tool_agent`, with group-naming request ids and its trajectory's end told to CTB."""
+
+
+def warn_about_stock_agent_loop(default_agent_loop: Optional[str], ctb_enabled: bool) -> None:
+    """verl's stock loops never tell CTB that a trajectory ended; say which tide loop to use instead."""
+    if ctb_enabled and default_agent_loop in STOCK_TO_TIDE:
+        print(f"verl-tide WARNING: actor_rollout_ref.rollout.agent.default_agent_loop = {default_agent_loop}: verl's "
+              f"loop never tells CTB that a trajectory ended, so CTB charges it until its idle timeout (300 s) and "
+              f"admissions can stall; use {STOCK_TO_TIDE[default_agent_loop]} (the same loop, its end told to CTB)",
+              flush=True)

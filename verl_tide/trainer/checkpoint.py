@@ -48,6 +48,28 @@ def load_state(folder: str) -> Optional[dict[str, Any]]:
         return json.load(f)
 
 
+def tide_state(global_steps: int, ledger: Any, ctb_state: Optional[dict], ers: Any, roles: MutableMapping[int, Role],
+               aggregator: Any) -> dict[str, Any]:
+    """What `tide_state.json` holds: the ledger, CTB's router state, ERS's cooldowns, the ranks' roles, and the
+    samples already carrying ref log-probs in the checkpointed TransferQueue."""
+    return {"global_steps": global_steps, "ledger": ledger.state_dict(), "ctb": ctb_state, "ers": ers.state_dict(),
+            "rollout_roles": {str(r): role.value for r, role in roles.items()},
+            "ra2p_aggregation": aggregator.state_dict()}
+
+
+def restore(state: dict[str, Any], ledger: Any, readiness: Any, ers: Any, aggregator: Any, rows_kept: bool) -> None:
+    """The ledger (its ready groups back in the readiness tracker: TransferQueue restored them as ready), ERS's
+    cooldowns, and RA2P's record of samples scored ahead; with the hand-off (`rows_kept=False`) their rows lived
+    in processes that are gone, so they are scored again."""
+    ledger.load_state_dict(state["ledger"])
+    for uid, (samples, _tokens) in ledger.ready().items():
+        readiness.micro_batch_ready(uid, max(samples, 1))
+    # (checkpoints before the planner kept ERS's cooldowns under "ers_last_moved")
+    ers.load_state_dict(state.get("ers") or {"last_moved": state.get("ers_last_moved", {})})
+    aggregation = state.get("ra2p_aggregation", {})
+    aggregator.load_state_dict(aggregation if rows_kept else {**aggregation, "scored": []})
+
+
 def roles_of(state: dict[str, Any]) -> dict[int, Role]:
     return {int(r): Role(role) for r, role in state.get("rollout_roles", {}).items()}
 

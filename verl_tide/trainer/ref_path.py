@@ -78,6 +78,28 @@ class RefPath:
     def bind(self, actor_wg: WorkerGroup, ref_wg: Optional[WorkerGroup], ref_in_actor: bool) -> None:
         self.actor_wg, self.ref_wg, self.ref_in_actor = actor_wg, ref_wg, ref_in_actor
 
+    def choose_worker_roles(self, role_worker_mapping: dict, mapping: dict) -> None:
+        """Which Ref verl builds (before it builds any worker group). With tide's Ref replicas, none: verl's Ref
+        would share the trainer's GPUs. With the hand-off, verl's own Ref and Actor roles as tide's worker
+        subclasses (`ra2p/handoff_worker.py`), so rows and inputs stay in the process. With Ref inside the Actor
+        (LoRA), verl's path through TransferQueue."""
+        from verl.trainer.ppo.utils import Role as VerlRole
+
+        if self.pool_wanted:
+            role_worker_mapping.pop(VerlRole.RefPolicy, None)
+            mapping.pop(VerlRole.RefPolicy, None)
+        elif self.handoff and VerlRole.RefPolicy in role_worker_mapping:
+            import ray
+
+            from verl_tide.ra2p.handoff_worker import TideActorWorker, TideRefWorker
+
+            role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
+            if VerlRole.Actor in role_worker_mapping:  # and the inputs: the Actor's update takes them back
+                role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
+                self.inputs_handoff = True
+        else:
+            self.handoff = False
+
     def start_pool(self) -> None:
         from verl_tide.ra2p.ref_workers import RefPool
 

@@ -132,24 +132,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
-        from verl.trainer.ppo.utils import Role as VerlRole
-
-        if self.ref.pool_wanted:  # set by _setup before verl builds its worker groups
-            # verl's Ref would share the trainer's GPUs; tide's Ref replicas get GPUs of their own instead.
-            self.role_worker_mapping.pop(VerlRole.RefPolicy, None)
-            self.mapping.pop(VerlRole.RefPolicy, None)
-        elif self.ref.handoff and VerlRole.RefPolicy in self.role_worker_mapping:
-            import ray
-
-            from verl_tide.ra2p.handoff_worker import TideActorWorker, TideRefWorker
-
-            # verl's own Ref worker (in the Actor's process), plus the colocated hand-off (ra2p/handoff.py)
-            self.role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
-            if VerlRole.Actor in self.role_worker_mapping:  # and the inputs: the Actor's update takes them back
-                self.role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
-                self.ref.inputs_handoff = True
-        else:
-            self.ref.handoff = False  # Ref inside the Actor (LoRA): verl's path through TransferQueue
+        self.ref.choose_worker_roles(self.role_worker_mapping, self.mapping)  # set by _setup before this runs
 
     def _setup(self):
         layout = elastic_setup.ref_layout(self.tide_config, self.use_reference_policy, self.ref.handoff)
@@ -198,7 +181,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         restarts = RankRestarts(balancer, self.standalone_checkpoint_manager, self.tide_config.max_rank_restarts)
         self.health = RankHealth(manager, self.standalone_checkpoint_manager, self.tide_config.ctb.enabled, restarts)
         self.report = RolloutReport(manager, str(rollout_config.name), self.tide_config.ctb.enabled)
-        self._warn_about_stock_agent_loops()
+        from verl_tide.ctb.agent_loops import warn_about_stock_agent_loop
+
+        warn_about_stock_agent_loop(rollout_config.agent.get("default_agent_loop"), self.tide_config.ctb.enabled)
         self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(manager.get_replicas()))}
         if self.ref.pool is not None and self.tide_config.ers.enabled:
             from verl_tide.ers.elastic import ElasticRanks
@@ -227,15 +212,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         print(f"verl-tide: Ref runs on elastic ranks{beside} (tide.ra2p.ref_ranks = 0): rank(s) "
               f"{sorted(r for r, role in self.rollout_roles.items() if role is Role.REF)} start as Ref", flush=True)
 
-    def _warn_about_stock_agent_loops(self) -> None:
-        from verl_tide.ctb.agent_loops import STOCK_TO_TIDE
-
-        loop = self.config.actor_rollout_ref.rollout.agent.get("default_agent_loop")
-        if self.tide_config.ctb.enabled and loop in STOCK_TO_TIDE:
-            print(f"verl-tide WARNING: actor_rollout_ref.rollout.agent.default_agent_loop = {loop}: verl's loop never "
-                  f"tells CTB that a trajectory ended, so CTB charges it until its idle timeout (300 s) and "
-                  f"admissions can stall; use {STOCK_TO_TIDE[loop]} (the same loop, its end told to CTB)", flush=True)
-
     # ---- checkpoint and resume ---------------------------------------------------------------
     def _save_checkpoint(self):
         super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
@@ -244,12 +220,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             import ray
 
             ctb = ray.get(verl_compat.load_balancer(self.standalone_server_manager).get_state.remote(), timeout=60)
-        checkpoint.save_state(self.config.trainer, self.global_steps, {
-            "global_steps": self.global_steps, "ledger": self.ledger.state_dict(), "ctb": ctb,
-            "ers": self.planner.ers.state_dict(),
-            "rollout_roles": {str(r): role.value for r, role in self.rollout_roles.items()},
-            # samples already carrying ref log-probs in the checkpointed TransferQueue
-            "ra2p_aggregation": self.ref.aggregator.state_dict()})
+        checkpoint.save_state(self.config.trainer, self.global_steps, checkpoint.tide_state(
+            self.global_steps, self.ledger, ctb, self.planner.ers, self.rollout_roles, self.ref.aggregator))
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
@@ -258,15 +230,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         state = checkpoint.load_state(checkpoint.step_folder(self.config.trainer, self.global_steps))
         if state is None:
             return
-        self.ledger.load_state_dict(state["ledger"])
-        for uid, (samples, _tokens) in self.ledger.ready().items():  # restored from TransferQueue as ready
-            self.readiness.micro_batch_ready(uid, max(samples, 1))
-        # (checkpoints before the planner kept ERS's cooldowns under "ers_last_moved")
-        self.planner.ers.load_state_dict(state.get("ers") or {"last_moved": state.get("ers_last_moved", {})})
-        aggregation = state.get("ra2p_aggregation", {})
-        if self.ref.handoff:  # samples scored ahead left their rows in processes that are gone: score them again
-            aggregation = {**aggregation, "scored": []}
-        self.ref.aggregator.load_state_dict(aggregation)
+        checkpoint.restore(state, self.ledger, self.readiness, self.planner.ers, self.ref.aggregator,
+                           rows_kept=not self.ref.handoff)
         self._restored = state  # CTB's router and the ranks' roles are restored once the rollout pool exists
         print(f"verl-tide: resumed from step {state['global_steps']}: {ledger_text(self.ledger)}", flush=True)
 
