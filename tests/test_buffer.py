@@ -40,6 +40,7 @@ def test_a_group_is_ready_when_its_last_trajectory_finished_not_when_verl_polls(
     assert buffer.ledger.ready() == {"a": (2, 22)}
     buffer._sync_metadata_from_transfer_queue()
     assert asked == [["a"]]  # known groups are not asked again
+    assert buffer.stamped == {"at_finish": 1, "at_poll": 0}
 
 
 def test_without_a_finish_time_a_group_is_stamped_at_the_poll_and_never_in_the_future(buffer):

@@ -62,6 +62,10 @@ def test_the_goodput_ledger_accounts_for_every_group(tide_run):
         assert m["tide/ledger/groups_held"] >= 0, m
         assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
         assert m["tide/ledger/groups_held"] == m["tide/ledger/groups_in_flight"], m
+        # Readiness: each group stamped when CTB's router saw its last trajectory finish (a group whose finish
+        # reached the router after verl's poll falls back to the poll time, counted)
+        stamped = m["tide/readiness/groups_stamped_at_finish"] + m["tide/readiness/groups_stamped_at_poll"]
+        assert m["tide/readiness/groups_stamped_at_finish"] > 0 and stamped >= m["tide/ledger/groups_consumed"], m
         assert m["tide/ledger/samples_consumed"] == 2 * m["tide/ledger/groups_consumed"]
         # The ledger's tokens are verl's own count of what the update trained on.
         assert m["tide/ledger/step_tokens_consumed"] == m["perf/total_num_tokens"], m

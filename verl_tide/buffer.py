@@ -34,6 +34,7 @@ class TideReplayBuffer(ReplayBufferAsync):
         # {uid: time on `clock`} of the groups asked: when each group's last trajectory finished (CTB's router
         # knows); a group it does not know is stamped when this buffer first sees it finished (verl's poll)
         self.finish_times: Optional[Callable[[list[str]], dict[str, float]]] = None
+        self.stamped = {"at_finish": 0, "at_poll": 0}  # groups made ready, by where their ready time came from
         super().__init__(*args, **kwargs)
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
@@ -58,6 +59,7 @@ class TideReplayBuffer(ReplayBufferAsync):
             self.ledger.group_ready(uid, samples, tokens)
             # ready when its last trajectory finished, not when verl's sampler polled (never in the future)
             self.readiness.micro_batch_ready(uid, max(samples, 1), t=min(now, finished.get(uid, now)))
+            self.stamped["at_finish" if uid in finished else "at_poll"] += 1
 
     def groups_held(self) -> int:
         """GRPO groups TransferQueue holds for training now: submitted (verl writes a `pending` prompt key before

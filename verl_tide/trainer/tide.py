@@ -394,6 +394,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m: dict[str, Any] = self.ledger.snapshot()
         held = self.replay_buffer.groups_held()
         m["tide/ledger/groups_held"] = float(held)  # counted in TransferQueue, not derived from the ledger
+        m.update({f"tide/readiness/groups_stamped_{k}": float(v) for k, v in self.replay_buffer.stamped.items()})
         imbalance = self.ledger.check(held)
         if imbalance:
             print(f"verl-tide step {self.global_steps} WARNING: {imbalance}", flush=True)
