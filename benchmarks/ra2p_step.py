@@ -386,7 +386,7 @@ def main() -> None:
     ap.add_argument("--mb-size", type=int, default=2, help="rows per micro-batch of the calibration run")
     ap.add_argument("--micro-batches", type=int, default=8, help="micro-batches a step in the calibration run")
     ap.add_argument("--test-mb-size", type=int, default=3, help="rows per micro-batch of the predicted runs")
-    ap.add_argument("--test-micro-batches", type=int, default=12, help="micro-batches a step, predicted runs")
+    ap.add_argument("--test-micro-batches", type=int, default=8, help="micro-batches a step, predicted runs")
     ap.add_argument("--calib", type=int, default=4, help="passes of the calibration run (after a warm-up)")
     ap.add_argument("--repeats", type=int, default=3, help="calibrate-then-predict rounds (the spread)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
