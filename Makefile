@@ -16,9 +16,10 @@ $(STAMP): constraints/cpu.txt pyproject.toml scripts/setup-venv.sh scripts/vllm_
 test: venv
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
-## Only the tests that start no Ray cluster and no engine (7 minutes on 2 cores, 2026-12-01: see docs/testbed.md).
+## Only the tests that start no Ray cluster, no engine and no verl process (policies, config, env service, loss
+## math; see docs/testbed.md for the measured time).
 test-fast: venv
-	$(PY) -m pytest -ra -m "not testbed" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not testbed and not verl_process" $(PYTEST_ARGS)
 
 ## One multi-turn GRPO job on CPU, stock verl vs `+tide=enabled`: goodputs, their ratio, reward curves.
 demo: venv

@@ -12,6 +12,8 @@ import yaml
 
 from verl_tide.core.config import defaults_as_dict
 
+pytestmark = pytest.mark.verl_process  # fresh Python processes that import verl: 10-30 s each
+
 # Stock verl: no .pth processing (-S) hides the editable verl-tide install, so neither the Hydra
 # search-path plugin nor `verl_tide` can be imported; VERL_USE_EXTERNAL_PLUGINS=none skips entry points.
 _STOCK = (

@@ -1,5 +1,5 @@
 """CTB as verl's router plugin (in process): admission, pauses at turn boundaries, idle finish,
-bypass of unplaceable requests, server removal. The run inside verl is in test_ctb_router_e2e.py."""
+bypass of unplaceable requests, server removal. The run inside verl is in test_grpo_e2e.py."""
 
 from __future__ import annotations
 

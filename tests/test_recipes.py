@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytestmark = pytest.mark.verl_process  # fresh Python processes that import verl: 10-30 s each
+
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 NAMES = sorted(p.stem for p in RECIPES.glob("tide_*.yaml"))
 REQUIRED = ["data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",

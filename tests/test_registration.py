@@ -9,6 +9,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.verl_process  # fresh Python processes that import verl: 10-30 s each
+
 
 def _python(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **env}

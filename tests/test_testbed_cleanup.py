@@ -54,6 +54,56 @@ def test_a_runs_ipc_sockets_and_semaphores_go_with_it_and_nothing_else(tmp_path,
             os.remove(p)
 
 
+def test_a_run_leaves_another_runs_shared_memory_alone():
+    """Two test-bed runs side by side: the one that ends first removes only what no live process uses, so the
+    other's vLLM segments and its `tide_shm` weight folder (its sender alive) stay."""
+    import mmap
+    import os
+    import shutil
+
+    from verl_tide.testing.testbed import clean_run_files, run_files
+
+    before = run_files()
+    mapped, stale = "/dev/shm/psm_tide_test_mapped", "/dev/shm/psm_tide_test_stale"
+    live_weights = f"/dev/shm/verl_tide_weights_{os.getpid()}_tidetest"
+    dead_weights = "/dev/shm/verl_tide_weights_999999999_tidetest"
+    try:
+        for path in (mapped, stale):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+        for folder in (live_weights, dead_weights):
+            os.makedirs(folder)
+            open(os.path.join(folder, "step-1.pt"), "w").close()
+        with open(mapped, "r+b") as f:
+            view = mmap.mmap(f.fileno(), 4096)  # the other run's engine holds it mapped (fd closed below)
+        try:
+            clean_run_files(before)
+            assert os.path.exists(mapped) and os.path.exists(live_weights)
+            assert not os.path.exists(stale) and not os.path.exists(dead_weights)
+        finally:
+            view.close()
+        clean_run_files(before)
+        assert not os.path.exists(mapped)
+    finally:
+        for path in (mapped, stale):
+            if os.path.exists(path):
+                os.remove(path)
+        for folder in (live_weights, dead_weights):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_run_gets_a_temp_dir_of_its_own_for_ray_and_vllm(tmp_path, monkeypatch):
+    import os
+
+    from verl_tide.testing.testbed import run_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with run_scratch() as env:
+        assert env["TMPDIR"] == env["VLLM_RPC_BASE_PATH"] and os.path.dirname(env["TMPDIR"]) == str(tmp_path)
+        os.makedirs(os.path.join(env["TMPDIR"], "ray", "session_x"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_step_metrics_survive_a_line_ray_split_in_two():
     from verl_tide.testing.testbed import parse_step_metrics
 

@@ -199,7 +199,19 @@ def _verls_ref_run(job, tmp_path_factory, name: str, extra: tuple[str, ...], **j
     return run, steps, kl_job
 
 
-def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_elastic_pool(job, tmp_path_factory):
+@pytest.fixture(scope="module")
+def verl_ref_run(job, tmp_path_factory):
+    """verl's Ref on the trainer's GPU beside an empty elastic Ref pool, the Actor's parameters offloaded between
+    passes, a checkpoint after the last step (the resume test continues from it)."""
+    work = tmp_path_factory.mktemp("tide_verl_ref")
+    ckpt = work / "ckpt"
+    run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", (
+        "tide.ers.max_ref_ranks=1", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+        f"trainer.save_freq={STEPS}"), default_local_dir=str(ckpt))
+    return run, steps, kl_job, ckpt
+
+
+def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_elastic_pool(verl_ref_run):
     """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPU (on this test bed its engine is
     built with forward_only=false, see README). One mini-batch per step and tide.ra2p.max_aggregate=2: a step's
     Ref pass also scores up to 2 ready groups the next steps train. tide.ers.max_ref_ranks=1 puts an empty
@@ -210,8 +222,7 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     The Actor's parameters are offloaded between passes (verl's param_offload), so Ref and Actor swap: tide's
     Actor subclass measures one load + offload of verl's engine, and the cost model gets it (RA2P's swap term;
     on CPU a "load" is a copy within host memory: small, but measured, not assumed)."""
-    run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", (
-        "tide.ers.max_ref_ranks=1", "actor_rollout_ref.actor.fsdp_config.param_offload=True"))
+    run, steps, kl_job, _ = verl_ref_run
     for n in steps:  # measured at step 1 (and every 10 steps), kept by the stage timer
         assert steps[n]["tide/ra2p/swap_s"] > 0, steps[n]
         assert steps[n]["tide/ra2p/predicted_colocated_s"] > 0, steps[n]
@@ -267,29 +278,6 @@ def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_an
     live = last["tide/ra2p/handoff_ids_live"]
     assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/ref_service_held"] == live, last
     assert last["tide/ra2p/handoff_inputs_held"] == live, last
-
-
-def test_split_mode_scores_shares_of_each_ref_pass_on_verls_ref_and_a_replica(job, tmp_path_factory):
-    """tide.ra2p.mode=split: verl's Ref worker group on the trainer's GPU and one Ref replica on a fake GPU of its
-    own score shares of every Ref pass (which also scores up to 2 ready groups the next steps train): the replica
-    takes its share from the end (the samples scored ahead first), sized by RA2P's cost model (half before the
-    first measurement), and runs while verl's Ref and the Actor work. The Actor's deferred-KL loss takes verl's
-    rows from its own process and the replica's from shared memory, by sample id: KL 0 at step 1 (both score
-    like the Actor), every trained sample's row and inputs arrive once, nothing is left behind."""
-    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "split", extra=("tide.ra2p.max_aggregate=2",),
-                                           replicas_every_step=False)
-    assert "RA2P split: verl's Ref on the trainer's GPUs and 1 Ref replica(s)" in run.output
-    assert all(m["tide/ra2p/step_mode_split"] == 1 for m in steps.values()), steps
-    assert steps[1]["tide/ra2p/ref_pass_samples_on_replicas"] > 0 and steps[1]["tide/ra2p/ref_worker_s"] > 0
-    last = steps[STEPS]
-    trained = STEPS * samples_per_step
-    in_process, from_replica = last["tide/ra2p/handoff_served_in_process"], last["tide/ra2p/ref_service_served"]
-    assert in_process > 0 and from_replica > 0 and in_process + from_replica == trained, last
-    assert last["tide/ra2p/handoff_inputs_in_process"] + last["tide/ra2p/handoff_inputs_from_transfer_queue"] \
-        == trained, last
-    # scored and not trained yet: held once, in the process (verl's share) or in shared memory (the replica's)
-    assert last["tide/ra2p/handoff_held"] + last["tide/ra2p/ref_service_held"] == last["tide/ra2p/handoff_ids_live"]
-    assert "tide/ra2p/predicted_split_s" in last, last
 
 
 def test_ers_lends_a_rollout_rank_to_ref_and_takes_it_back_for_evaluation(job, tmp_path_factory):
@@ -373,13 +361,16 @@ def _check_ers_run(run, kl_job):
 
 def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_service_url, tmp_path_factory):
     """tide.ra2p.ref_ranks=0 with tide.ers.min_ref_ranks=1: no GPU is set aside for Ref; rank 1 of the two
-    rollout ranks hosts the Ref replica from the start and rank 0 does all the rollout."""
+    rollout ranks hosts the Ref replica from the start and rank 0 does all the rollout. With
+    tide.max_staleness=0 and tide.staleness_strategy=wait nothing is dropped: the trainer waits for groups of
+    the current version, and that wait is counted as trainer wait time."""
     work = tmp_path_factory.mktemp("tide_ers_only")
     kl_job = GRPOJob(**{**_ers_job(job).__dict__, "steps": 2})
     overrides = with_overrides(grpo_overrides(kl_job), [
         *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
-        "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1"])
+        "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.max_staleness=0",
+        "tide.staleness_strategy=wait"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=600)
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
@@ -395,12 +386,18 @@ def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_s
                                                            "dropped_failed"))
     assert settled + last["tide/ledger/groups_held"] == last["tide/ledger/groups_submitted"]
     assert last["tide/ledger/groups_consumed"] == 2 * kl_job.train_batch_size
+    assert last["tide/ledger/groups_dropped_stale"] == 0, last
+    assert all(m["tide/readiness/twt_s"] > 0 for m in steps.values()), steps  # the trainer waited for ready groups
 
 
 def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_url, tmp_path_factory):
     """The layout the simulator's tide models: verl's Ref on the trainer's GPU, and a rollout rank that ERS lends
     to Ref (here from the start: tide.ers.min_ref_ranks=1, tide.ra2p.ref_ranks=0). With tide.ra2p.mode=split the
-    lent rank's Ref replica scores a share of each Ref pass beside verl's Ref. After step 2 an evaluation
+    lent rank's Ref replica scores a share of each Ref pass (which also scores up to 2 ready groups the next steps
+    train) beside verl's Ref: the replica takes its share from the end (the samples scored ahead first), sized
+    by RA2P's cost model, and the Actor's deferred-KL loss takes verl's rows from its own process and the
+    replica's from shared memory, by sample id. (A split with a fixed Ref rank, tide.ra2p.ref_ranks=1, is the
+    same path with the replica placed at start-up, as in the colocated tests.) After step 2 an evaluation
     follows (test_freq=2): ERS takes the rank back for rollout (verl's Ref remains, so no Ref rank has to
     stay), and step 3 runs colocated on verl's Ref alone. Every trained row arrives once, the ledger balances."""
     work = tmp_path_factory.mktemp("tide_split_elastic")
@@ -408,7 +405,8 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     overrides = with_overrides(grpo_overrides(kl_job), [
         *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
-        "tide.ra2p.mode=split", "tide.ers.min_ref_ranks=1", "tide.ers.cooldown_steps=0", "trainer.test_freq=2"])
+        "tide.ra2p.mode=split", "tide.ers.min_ref_ranks=1", "tide.ers.cooldown_steps=0", "trainer.test_freq=2",
+        "tide.ra2p.max_aggregate=2"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=720)
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
@@ -428,6 +426,12 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     trained = STEPS * kl_job.train_batch_size * kl_job.rollout_n
     assert third["tide/ra2p/handoff_served_in_process"] + third["tide/ra2p/ref_service_served"] == trained, third
     assert third["tide/ra2p/ref_service_served"] > 0  # the replica's rows, through shared memory
+    assert third["tide/ra2p/handoff_served_in_process"] > 0  # verl's rows, from the Actor's own process
+    assert third["tide/ra2p/handoff_inputs_in_process"] + third["tide/ra2p/handoff_inputs_from_transfer_queue"] \
+        == trained, third
+    # the cost model priced the split for the next step while a replica was there for it (after step 2 ERS takes
+    # the rank back for the evaluation: no split to price)
+    assert "tide/ra2p/predicted_split_s" in first and "tide/ra2p/predicted_split_s" not in second, second
     assert third["tide/ra2p/handoff_held"] + third["tide/ra2p/ref_service_held"] == third["tide/ra2p/handoff_ids_live"]
     settled = sum(third[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                             "dropped_failed"))
@@ -435,47 +439,46 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
-@pytest.mark.timeout(2 * 900 + 300)  # two jobs of up to 900 s each (the suite's default limit is one job's)
-def test_checkpoint_and_resume_continue_the_step_and_the_ledger(job, tmp_path_factory):
-    """With verl's Ref, the KL loss and the colocated hand-off: Ref passes score up to 4 groups ahead, so
-    samples scored before the checkpoint may be trained after it; their rows lived in the first job's
-    processes, so the resumed job scores them again (else the Actor's backward would wait for them)."""
-    work = tmp_path_factory.mktemp("tide_resume")
-    ckpt = work / "ckpt"
-    one_step = GRPOJob(**{**job.__dict__, "steps": 1, "default_local_dir": str(ckpt), "use_kl_loss": True})
-    # +tide=enabled's default agent loop (verl's single-turn loop, its trajectories' ends told to CTB).
-    overrides = with_overrides(grpo_overrides(one_step), [*tide_overrides(one_step), "trainer.save_freq=1",
-                                                          "tide.ra2p.max_aggregate=4"])
-    first = run_main_ppo(overrides, cwd=work, log_path=work / "first.log", timeout_s=900)
-    assert first.returncode == 0, first.output[-5000:]
-    assert (ckpt / "global_step_1" / "tide_state.json").exists()
-    first_step = parse_step_metrics(first.output)[1]
-    submitted = first_step["tide/ledger/groups_submitted"]
+def test_checkpoint_and_resume_continue_the_step_and_the_ledger(verl_ref_run, tmp_path_factory):
+    """With verl's Ref, the KL loss and the colocated hand-off (the run above, checkpointed after its last step):
+    Ref passes score up to 2 groups ahead, so samples scored before the checkpoint may be trained after it;
+    their rows lived in the first job's processes, so the resumed job scores them again (else the Actor's
+    backward would wait for them)."""
+    first, first_steps, kl_job, ckpt = verl_ref_run
+    assert (ckpt / f"global_step_{STEPS}" / "tide_state.json").exists()
+    last = first_steps[STEPS]
+    submitted = last["tide/ledger/groups_submitted"]
     # tide_single_turn_agent told CTB each trajectory's end: budgets freed at once, no idle timeouts.
-    assert first_step["tide/ctb/consumed"] >= 8 and first_step["tide/ctb/idle_finished"] == 0
+    assert last["tide/ctb/consumed"] >= 8 * STEPS and last["tide/ctb/idle_finished"] == 0
     assert "verl-tide WARNING" not in first.output
 
-    second = run_main_ppo(with_overrides(overrides, ["trainer.total_training_steps=2"]), cwd=work,
-                          log_path=work / "second.log", timeout_s=900)
+    work = tmp_path_factory.mktemp("tide_resume")
+    one_more = GRPOJob(**{**kl_job.__dict__, "steps": STEPS + 1, "default_local_dir": str(ckpt)})
+    overrides = with_overrides(grpo_overrides(one_more), [
+        *tide_overrides(one_more), "tide.ra2p.max_aggregate=2", "tide.ers.max_ref_ranks=1",
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True", f"trainer.save_freq={STEPS}"])
+    second = run_main_ppo(overrides, cwd=work, log_path=work / "second.log", timeout_s=900)
     assert second.returncode == 0, second.output[-5000:]
     steps = parse_step_metrics(second.output)
-    assert sorted(steps) == [2], second.output[-3000:]  # the step count continued
-    assert "verl-tide: resumed from step 1" in second.output
-    m = steps[2]
+    assert sorted(steps) == [STEPS + 1], second.output[-3000:]  # the step count continued
+    assert f"verl-tide: resumed from step {STEPS}" in second.output
+    m = steps[STEPS + 1]
     # CTB's counters continued (and the re-issued groups' first-turn footprints came back with them).
     restored = re.search(r"verl-tide: CTB state restored \((\d+) admissions so far", second.output)
     assert restored, second.output[-3000:]
-    # saved with the checkpoint, just before step 1's metrics were read
-    assert 0 < int(restored.group(1)) <= first_step["tide/ctb/admissions"]
+    # saved with the checkpoint, just before the last step's metrics were read
+    assert 0 < int(restored.group(1)) <= last["tide/ctb/admissions"]
     assert m["tide/ctb/admissions"] > int(restored.group(1))
-    assert m["tide/ledger/groups_consumed"] == 8  # 4 before the restart + 4 now: the ledger continued
+    # the ledger continued: 4 groups a step
+    assert m["tide/ledger/groups_consumed"] == 4 * (STEPS + 1)
     # (This step trained on groups restored from the checkpoint; the re-issued ones were still running.)
     # In-flight groups of the first run were re-issued, not counted again as new submissions.
     assert m["tide/ledger/groups_submitted"] == submitted + 4
     settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                         "dropped_failed"))
     assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"]
-    # Every sample step 2 trained found its ref log-probs in the process (scored again after the resume).
+    # Every sample the resumed step trained found its ref log-probs in the process (scored again after the
+    # resume): the served count restarts with the process.
     assert m["tide/ra2p/handoff_served_in_process"] == 8 and m["actor/kl_loss"] > 0, m
 
 
@@ -592,49 +595,20 @@ def _cmdline(process) -> list[str]:
         return []
 
 
-def test_groups_older_than_max_staleness_are_dropped_and_counted(job, tmp_path_factory):
-    """tide.max_staleness=0: a group generated for an earlier step is never trained on. The prefetched
-    batch (num_warmup_batches=1) goes stale after each update, is dropped, counted and refilled."""
-    work = tmp_path_factory.mktemp("tide_stale")
-    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
-    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.max_staleness=0"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-5000:]
-    m = parse_step_metrics(run.output)[2]
-    assert m["tide/ledger/groups_dropped_stale"] > 0 and m["tide/ledger/tokens_dropped_stale"] > 0
-    assert m["tide/ledger/groups_consumed"] == 8
-    settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
-                                                        "dropped_failed"))
-    assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"]
-    # verl's replay buffer reported the same evictions (its off-policy metrics) in a step.
-    assert any(s.get("training/off_policy/evicted_samples", 0.0) > 0 for s in parse_step_metrics(run.output).values())
-
-
-def test_the_wait_strategy_drops_nothing_and_the_wait_is_trainer_wait_time(job, tmp_path_factory):
-    work = tmp_path_factory.mktemp("tide_wait")
-    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
-    overrides = with_overrides(grpo_overrides(two_steps), [*tide_overrides(two_steps), "tide.max_staleness=0",
-                                                           "tide.staleness_strategy=wait"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-5000:]
-    steps = parse_step_metrics(run.output)
-    m = steps[2]
-    assert m["tide/ledger/groups_dropped_stale"] == 0 and m["tide/ledger/groups_consumed"] == 8
-    assert all(s["tide/readiness/twt_s"] > 0 for s in steps.values())  # the trainer waited for ready groups
-
-
 def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_fewer_mini_batches(
         job, env_service_url, tmp_path_factory):
-    """One job, two independent switches. tide.ctb.enabled=false: verl's stock request routing under trainer
+    """One job, three independent switches. tide.ctb.enabled=false: verl's stock request routing under trainer
     tide (and `tide_env_agent` inside verl's agent-loop worker without CTB). tide.ers.ideal_batch=4 sequences
     (B_ideal, and B_min = B_ideal) where verl's step is 2 mini-batches of 2 prompts x 2 samples: ERS's elastic
-    batch is one mini-batch, so each step trains 2 groups, then syncs."""
+    batch is one mini-batch, so each step trains 2 groups, then syncs. tide.max_staleness=0 (strategy drop): a
+    group generated for an earlier version is never trained on; the groups left ready after a step's update go
+    stale, are dropped, counted and refilled."""
     work = tmp_path_factory.mktemp("tide_no_ctb_elastic_batch")
     two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
     overrides = with_overrides(grpo_overrides(two_steps), [
         *tide_overrides(two_steps), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "tide.ctb.enabled=false",
-        "tide.ers.ideal_batch=4"])
+        "tide.ers.ideal_batch=4", "tide.max_staleness=0"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
     assert run.returncode == 0, run.output[-5000:]
     steps = parse_step_metrics(run.output)
@@ -645,7 +619,11 @@ def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_few
     for n, m in steps.items():
         assert m["tide/ers/step_mini_batches"] == 1 and m["tide/ers/elastic_batch"] == 4, m
         assert m["tide/ledger/groups_consumed"] == 2 * n, m  # 2 groups a step, not verl's 4
+        settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                            "dropped_failed"))
+        assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
+    # max_staleness=0: what was ready but generated for an older version went, counted in groups and tokens
     m = steps[2]
-    settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
-                                                        "dropped_failed"))
-    assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"]
+    assert m["tide/ledger/groups_dropped_stale"] > 0 and m["tide/ledger/tokens_dropped_stale"] > 0, m
+    # verl's replay buffer reported the same evictions (its off-policy metrics) in a step.
+    assert any(s.get("training/off_policy/evicted_samples", 0.0) > 0 for s in steps.values()), steps

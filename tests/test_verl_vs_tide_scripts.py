@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent / "benchmarks" / "verl_vs_tide"
 
 
+@pytest.mark.verl_process
 def test_dry_run_prints_three_comparable_jobs():
     env = {**os.environ, "GPUS": "8", "ROLLOUT_GPUS": "2", "STEPS": "5"}
     out = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "data.train_batch_size=64"], env=env,
@@ -34,6 +37,7 @@ def _log(path: Path, steps: list[tuple[float, float]]) -> None:
                               f"timing_s/update_actor:{sec / 4}" for i, (tok, sec) in enumerate(steps)))
 
 
+@pytest.mark.verl_process
 def test_collect_prints_goodput_per_system_and_the_ratio(tmp_path):
     _log(tmp_path / "verl_sync.log", [(1000, 10.0), (1000, 10.0)])
     _log(tmp_path / "tide.log", [(1000, 4.0), (1000, 4.0)])
@@ -49,6 +53,7 @@ def test_collect_prints_goodput_per_system_and_the_ratio(tmp_path):
     assert "ref s" in out.stdout and "update s" in out.stdout
 
 
+@pytest.mark.verl_process
 def test_collect_refuses_a_log_without_step_lines(tmp_path):
     (tmp_path / "tide.log").write_text("Traceback ...")
     out = subprocess.run([sys.executable, str(HERE / "collect.py"), str(tmp_path / "tide.log")],

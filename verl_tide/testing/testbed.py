@@ -105,6 +105,9 @@ def grpo_overrides(job: GRPOJob) -> list[str]:
         "actor_rollout_ref.rollout.agent.num_workers=1",
         "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16",
         "reward.num_workers=1",
+        # verl's default of 8 TransferQueue storage actors costs each job about a minute of CPU on two cores (every
+        # actor imports verl); this data fits in one.
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         f"reward.custom_reward_function.path={rewards.__file__}",
         "reward.custom_reward_function.name=digit_fraction",
         "trainer.device=cpu",
@@ -272,7 +275,8 @@ def kill_process_tree(pid: int) -> None:
     psutil.wait_procs(family, timeout=30)
 
 
-# What a test-bed run leaves in the temp dir: vLLM's torch.distributed file stores, verl's checkpoint-copy locks.
+# What a test-bed run left in the shared temp dir before runs had one of their own: vLLM's torch.distributed file
+# stores, verl's checkpoint-copy locks (kept for runs started without `run_scratch`).
 _TMP_LEFTOVERS = ("vllm_dist_*", "ckpt_*.lock")
 
 
@@ -280,15 +284,22 @@ _TMP_LEFTOVERS = ("vllm_dist_*", "ckpt_*.lock")
 def run_scratch() -> Iterator[dict[str, str]]:
     """Environment variables for one test-bed run (a job, a Ray cluster) whose leftovers go when it ends.
 
-    vLLM names its ZMQ IPC sockets `<VLLM_RPC_BASE_PATH>/<uuid4>` (default: the temp dir) and an engine process
-    that is killed, as every Ray worker is at shutdown, never unlinks them: about 150 piled up in /tmp per suite
-    run. They go in a directory of this run's, removed afterwards with what `clean_run_files` removes."""
+    The run gets a temp dir of its own (TMPDIR): Ray's session folder, vLLM's ZMQ IPC sockets (an engine process
+    that is killed, as every Ray worker is at shutdown, never unlinks them), its torch.distributed file stores and
+    verl's checkpoint-copy locks all land there and go with it, so two runs side by side never touch each
+    other's files. /dev/shm is shared: what the run left there goes too, unless a live process still uses it
+    (another run's)."""
+    import getpass
+
     before = run_files()
-    ipc_dir = tempfile.mkdtemp(prefix="tide-ipc-")  # short: a Unix socket path has at most 107 bytes
+    scratch = tempfile.mkdtemp(prefix="tide-")  # short: a Unix socket path has at most 107 bytes
+    # torch's compile cache stays shared (its default, under the machine's temp dir): warm across runs
+    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     try:
-        yield {"VLLM_RPC_BASE_PATH": ipc_dir}
+        yield {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
     finally:
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         clean_run_files(before)
 
 
@@ -301,17 +312,54 @@ def run_files() -> set[str]:
 
 def clean_run_files(keep: set[str]) -> None:
     """Remove what a run left (`clean_shm`, and vLLM's `vllm_dist_*` stores and verl's `ckpt_*.lock` files in the
-    temp dir) that is not in `keep`."""
-    clean_shm(keep)
+    temp dir) that is not in `keep` and that no live process uses."""
+    in_use = shm_in_use()
+    clean_shm(keep | in_use)
     tmp = tempfile.gettempdir()
     for pattern in _TMP_LEFTOVERS:
         for path in glob.glob(os.path.join(tmp, pattern)):
-            if path in keep:
+            if path in keep or path in in_use:
                 continue
             try:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             except OSError:
                 pass
+
+
+def shm_in_use() -> set[str]:
+    """/dev/shm entries a live process has mapped or open, and the weight folders of live `tide_shm` senders
+    (named `verl_tide_weights_<pid>_...`): another run's, which a run's clean-up must leave alone."""
+    used: set[str] = set()
+    for proc_dir in glob.glob("/proc/[0-9]*"):
+        try:
+            with open(os.path.join(proc_dir, "maps")) as f:
+                for line in f:
+                    i = line.find("/dev/shm/")
+                    if i >= 0:
+                        used.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+            for fd in os.listdir(os.path.join(proc_dir, "fd")):
+                target = os.readlink(os.path.join(proc_dir, "fd", fd))
+                if target.startswith("/dev/shm/"):
+                    used.add(target)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    for path in glob.glob("/dev/shm/verl_tide_weights_*"):
+        match = re.match(r"verl_tide_weights_(\d+)_", os.path.basename(path))
+        if match and _alive(int(match.group(1))):
+            used.add(path)
+    # a file in a used folder keeps the folder
+    used |= {os.path.dirname(p) for p in used if os.path.dirname(p) != "/dev/shm"}
+    return used
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def clean_shm(keep: set[str]) -> None:
@@ -322,7 +370,7 @@ def clean_shm(keep: set[str]) -> None:
         name = os.path.basename(path)
         if path not in keep and (name.startswith(("psm_", "verl_", "sem.mp-")) or "weights" in name):
             try:
-                os.remove(path)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             except OSError:
                 pass
 
