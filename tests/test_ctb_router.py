@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from verl_tide.ctb.router import CTBLoadBalancer
+from verl_tide.testing.eventually import eventually
 
 
 def _lb(**cfg):
@@ -82,8 +83,8 @@ async def test_idle_trajectories_are_finished_and_readmitted_if_they_return():
     lb = _lb()
     sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 500)
     lb.release_server(sid, request_id="a")
-    await asyncio.sleep(0.4)
-    assert lb.counters["idle_finished"] == 1 and lb.get_status()["ctb"]["ranks"][sid]["usage"] == 0
+    await eventually(lambda: lb.counters["idle_finished"] == 1)  # idle_finish_s = 0.2
+    assert lb.get_status()["ctb"]["ranks"][sid]["usage"] == 0
     sid2, _ = await lb.acquire_server("a", prompt_ids=[1] * 600)
     assert lb.get_status()["ctb"]["ranks"][sid2]["usage"] == 600
 
@@ -117,10 +118,15 @@ async def test_router_serves_prometheus_metrics_on_loopback():
     lb = _lb(metrics={"enabled": True, "interval_s": 0.05})
     try:
         sid, _ = await lb.acquire_server("a", prompt_ids=[1] * 300)
-        await asyncio.sleep(0.3)
+        await eventually(lambda: lb.get_metrics_url() is not None)
         assert lb.get_metrics_url().startswith("http://127.0.0.1:")
-        body = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: urllib.request.urlopen(lb.get_metrics_url(), timeout=10).read().decode())
+        body = ""
+        deadline = asyncio.get_running_loop().time() + 10
+        while "tide_ctb_rank_tokens" not in body or 'kind="admissions"} 1.0' not in body:  # the exporter's next tick
+            assert asyncio.get_running_loop().time() < deadline, body
+            body = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: urllib.request.urlopen(lb.get_metrics_url(), timeout=10).read().decode())
+            await asyncio.sleep(0.05)
     finally:
         lb._metrics_task.cancel()
     assert f'tide_ctb_rank_tokens{{rank="{sid}"}} 300.0' in body

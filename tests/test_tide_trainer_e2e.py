@@ -439,6 +439,7 @@ def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_u
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
+@pytest.mark.timeout(2 * 900 + 300)  # run alone, it sets up the run it resumes from: two jobs of up to 900 s
 def test_checkpoint_and_resume_continue_the_step_and_the_ledger(verl_ref_run, tmp_path_factory):
     """With verl's Ref, the KL loss and the colocated hand-off (the run above, checkpointed after its last step):
     Ref passes score up to 2 groups ahead, so samples scored before the checkpoint may be trained after it;
