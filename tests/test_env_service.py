@@ -66,6 +66,21 @@ async def test_happy_path_guess_to_the_answer(served):
     assert server.counters["started"] == 1 and not server.sessions
 
 
+async def test_health_reports_when_the_first_episode_started(served):
+    """A benchmark's one clock for every system: the first /start (benchmarks/e2e_compare.py)."""
+    server, url = await served()
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/health") as r:
+            assert (await r.json())["first_start_unix"] is None
+        before = time.time()
+        async with EnvClient(url) as c:
+            await c.start()
+            await c.start()
+        async with http.get(url + "/health") as r:
+            first = (await r.json())["first_start_unix"]
+    assert before <= first <= time.time() and server.first_start_unix == first
+
+
 async def test_shop_search_click_buy_reward(served):
     server, url = await served()
     async with EnvClient(url) as c:

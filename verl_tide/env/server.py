@@ -70,6 +70,9 @@ class EnvServer:
         self.sessions: dict[str, Session] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
         self.counters = {"started": 0, "ended": 0, "expired": 0, "rejected_full": 0, "paused": 0, "resumed": 0}
+        # Wall-clock time (Unix seconds) of the first /start: a benchmark's one clock for every system it runs,
+        # "from the first rollout request" (the agent loop starts an episode before its first generation).
+        self.first_start_unix: Optional[float] = None
         self._seq = itertools.count()
         self._runner: Optional[web.AppRunner] = None
         self._reaper: Optional[asyncio.Task] = None
@@ -119,6 +122,8 @@ class EnvServer:
         except KeyError as e:
             raise _Error("unknown_env", str(e.args[0])) from None
         sid = f"s{next(self._seq)}-{secrets.token_hex(6)}"
+        if self.first_start_unix is None:
+            self.first_start_unix = time.time()
         self.sessions[sid] = session = Session(env, self.clock())
         async with session.lock:
             try:
@@ -178,7 +183,8 @@ class EnvServer:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "version": PROTOCOL_VERSION, "sessions": len(self.sessions),
                                   "max_sessions": self.config.max_sessions, "envs": sorted(PRESETS),
-                                  "session_timeout_s": self.config.session_timeout_s, **self.counters})
+                                  "session_timeout_s": self.config.session_timeout_s,
+                                  "first_start_unix": self.first_start_unix, **self.counters})
 
     # ---- helpers ---------------------------------------------------------------------------
     @web.middleware

@@ -47,7 +47,7 @@ def goodput(steps: dict[int, dict[str, float]]) -> dict[str, float]:
             "goodput_after_step1_tok_s": later_tokens / later_seconds if later_seconds else 0.0}
 
 
-def plot_rewards(curves: dict[str, list[tuple[int, float]]], path: Path, title: str) -> None:
+def plot_rewards(curves: dict[str, list[tuple[float, float]]], path: Path, title: str, xlabel: str = "step") -> None:
     """A small line chart (Pillow only: no plotting library in the test bed's lock)."""
     from PIL import Image, ImageDraw
 
@@ -67,10 +67,11 @@ def plot_rewards(curves: dict[str, list[tuple[int, float]]], path: Path, title: 
 
     d.rectangle([pad, pad, w - pad, h - pad], outline="black")
     d.text((pad, 15), title, fill="black")
-    d.text((w // 2 - 20, h - pad + 25), "step", fill="black")
+    d.text((w // 2 - 20, h - pad + 25), xlabel, fill="black")
     d.text((5, pad - 15), f"{y1:.3f}", fill="black")
     d.text((5, h - pad - 5), f"{y0:.3f}", fill="black")
-    for x in range(int(x0), int(x1) + 1):
+    tick = max(1, round((x1 - x0) / 10))  # about ten labels, whatever the axis
+    for x in range(int(x0), int(x1) + 1, tick):
         d.text((xy(x, y0)[0] - 3, h - pad + 5), str(x), fill="black")
     for i, (name, curve) in enumerate(curves.items()):
         color = ("#1f77b4", "#d62728", "#2ca02c")[i % 3]

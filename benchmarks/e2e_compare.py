@@ -1,0 +1,116 @@
+"""The demo's job under verl sync, colocate_async, separate_async (hybrid replicas, with and without the hybrid
+switch, every split) and `+tide=enabled`, on one wall clock (issue 24; `verl_tide/testing/compare.py` says how).
+
+    python benchmarks/e2e_compare.py --workdir outputs/compare --json outputs/compare/compare.json
+
+Prints a table, `goodput tide/best stock: N.NNx (best stock = MODE)` and `goodput tide/sync: N.NNx`, writes the
+JSON (per system: start-up, wall, tokens, goodputs, per-step reward, step time, weight sync, waits, staleness)
+and reward curves against step and against wall-clock (PNG). Each system gets a fresh environment service, whose
+first /start is that run's clock zero. Runs one after another (two jobs side by side on 2 cores each take
+nearly twice as long: docs/testbed.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from verl_tide.testing.compare import REWARD, best_stock, job_overrides, systems, wall_clock_summary
+from verl_tide.testing.demo import plot_rewards
+from verl_tide.testing.testbed import GRPOJob, run_main_ppo, spawn_env_service
+from verl_tide.testing.tiny_model import build_tiny_model, write_env_task_parquet
+
+
+def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float) -> dict:
+    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=latency_scale)
+    agent = ["actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"+tide.env.url={env_url}",
+             "+tide.env.max_tokens_per_turn=8"]
+    lines: list[tuple[float, str]] = []
+    slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
+    try:
+        started = time.time()
+        run = run_main_ppo(job_overrides(job, system, agent), cwd=work, log_path=work / f"{slug}.log",
+                           timeout_s=timeout_s, on_line=lambda line: lines.append((time.time(), line)))
+        with urllib.request.urlopen(env_url + "/health", timeout=10) as r:
+            health = json.load(r)
+    finally:
+        env_proc.send_signal(signal.SIGTERM)
+        env_proc.communicate(timeout=30)
+    if run.returncode != 0:
+        return {"returncode": run.returncode, "error": run.output[-3000:]}
+    summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
+    return {"returncode": 0, **summary, "episodes_started": health["started"], "episodes_ended": health["ended"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
+    ap.add_argument("--n", type=int, default=2, help="trajectories per prompt (GRPO group size)")
+    ap.add_argument("--gpus", type=int, default=2, help="fake GPUs per job")
+    ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
+    ap.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latency (0 = none)")
+    ap.add_argument("--only", action="append", default=None, help="run only systems whose name contains this")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model = build_tiny_model(work / "model")
+    train = write_env_task_parquet(work / "data" / "train.parquet", args.batch * (args.steps + 3), env="tiny_slow")
+    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
+    job = GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=args.gpus,
+                  steps=args.steps, train_batch_size=args.batch, rollout_n=args.n, prompt_length=128,
+                  response_length=96)
+    results: dict[str, dict] = {}
+    for system in systems(job, args.max_staleness):
+        if args.only and not any(o in system.name for o in args.only):
+            continue
+        print(f"[compare] {system.name}: {len(system.overrides)} overrides on the job's own", flush=True)
+        results[system.name] = run_system(system, job, work, args.latency_scale, args.timeout)
+        r = results[system.name]
+        print(f"[compare] {system.name}: " + (f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall "
+                                               f"(start-up {r['startup_s']:.1f} s)" if r["returncode"] == 0
+                                               else f"FAILED (exit {r['returncode']})"), flush=True)
+
+    print(f"\n{'system':>44} | {'start-up s':>10} | {'wall s':>7} | {'tokens':>7} | {'goodput tok/s':>13} | "
+          f"{'(steps 2+)':>10} | rewards per step")
+    for name, r in results.items():
+        if r["returncode"] != 0:
+            print(f"{name:>44} | failed (exit {r['returncode']})")
+            continue
+        rewards = " ".join(f"{s['reward']:.3f}" if s["reward"] is not None else "-" for s in r["steps"].values())
+        print(f"{name:>44} | {r['startup_s']:>10.1f} | {r['wall_s']:>7.1f} | {r['tokens']:>7.0f} | "
+              f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {rewards}")
+    finished = {k: v for k, v in results.items() if v["returncode"] == 0}
+    if "tide" in finished and len(finished) > 1:
+        stock_name, stock_goodput = best_stock(finished)
+        ratio = finished["tide"]["goodput_tok_s"] / stock_goodput
+        print(f"goodput tide/best stock: {ratio:.2f}x (best stock = {stock_name})")
+        results["best_stock"] = {"system": stock_name, "ratio": ratio}
+        if "verl sync" in finished:
+            sync_ratio = finished["tide"]["goodput_tok_s"] / finished["verl sync"]["goodput_tok_s"]
+            print(f"goodput tide/sync: {sync_ratio:.2f}x")
+            results["tide_over_sync"] = sync_ratio
+    for axis in ("step", "wall_s"):
+        curves = {name: [(n if axis == "step" else s["wall_s"], s["reward"] or 0.0) for n, s in r["steps"].items()]
+                  for name, r in finished.items()}
+        plot_rewards(curves, work / f"rewards_by_{axis}.png", f"reward ({REWARD}) against {axis}",
+                     xlabel="step" if axis == "step" else "wall-clock s from the first rollout request")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "clock": "first /start to the "
+                                              "last step's metrics line", **results}, indent=2, default=str))
+    return 0 if len(finished) == len([k for k in results if isinstance(results[k], dict)
+                                      and "returncode" in results[k]]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The head-to-head's systems and its one clock (benchmarks/e2e_compare.py), without running a job."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_tide.testing.compare import best_stock, systems, wall_clock_summary
+from verl_tide.testing.testbed import GRPOJob, override_key
+
+
+def _job(n_gpus: int) -> GRPOJob:
+    return GRPOJob(model_path="/m", train_file="/t.parquet", val_file="/v.parquet", n_gpus=n_gpus)
+
+
+def test_every_split_the_fake_gpus_allow_with_and_without_the_hybrid_switch():
+    names = [s.name for s in systems(_job(2))]
+    assert names == ["verl sync", "verl colocate_async", "verl separate_async 1T/1R",
+                     "verl separate_async 1T/1R + hybrid switch", "tide"]
+    three = [s for s in systems(_job(3)) if "separate_async" in s.name]
+    assert sorted({s.rollout_gpus for s in three}) == [1, 2] and len(three) == 4
+    for s in three:  # trainer + rollout GPUs = the job's, weights every step, one staleness bound for all
+        keys = dict(o.split("=", 1) for o in s.overrides)
+        assert int(keys["trainer.n_gpus_per_node"]) + int(keys["actor_rollout_ref.rollout.n_gpus_per_node"]) == 3
+        assert keys["trainer.v1.separate_async.parameter_sync_step"] == "1"
+        assert keys["trainer.v1.sampler.max_off_policy_threshold"] == "1"
+    tide = systems(_job(2), max_staleness=2)[-1]
+    assert "+tide=enabled" in tide.overrides and "tide.max_staleness=2" in tide.overrides
+    assert len({override_key(o) for o in tide.overrides}) == len(tide.overrides)
+
+
+def _line(n: int, tokens: float, reward: float) -> str:
+    return f"\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:{n} - perf/total_num_tokens:{tokens} - critic/score/mean:{reward}"
+
+
+def test_goodput_is_tokens_over_the_wall_clock_from_the_first_rollout_request():
+    lines = [(100.0, "ray started"), (130.0, "all initialize finished, ready to fit"),
+             (150.0, _line(1, 1000, 0.1)), (160.0, "noise"), (170.0, _line(2, 2000, 0.2)), (190.0, _line(3, 2000, 0.3))]
+    r = wall_clock_summary(lines, started_unix=95.0, first_request_unix=135.0)
+    assert r["startup_s"] == 40.0 and r["wall_s"] == 55.0 and r["tokens"] == 5000
+    assert r["goodput_tok_s"] == pytest.approx(5000 / 55)
+    assert r["goodput_after_step1_tok_s"] == pytest.approx(4000 / 40)  # step 1's line to the last
+    assert [s["wall_s"] for s in r["steps"].values()] == [15.0, 35.0, 55.0]
+    assert r["steps"][2]["reward"] == 0.2 and r["steps"][2]["rwt_s"] is None  # stock verl reports no RWT
+
+
+def test_a_run_without_steps_or_requests_is_an_error_not_a_zero():
+    with pytest.raises(ValueError, match="nothing to time"):
+        wall_clock_summary([(1.0, "no steps")], 0.0, 0.5)
+    with pytest.raises(ValueError, match="nothing to time"):
+        wall_clock_summary([(1.0, _line(1, 10, 0.0))], 0.0, None)
+
+
+def test_the_best_stock_system_is_the_fastest_that_is_not_tide():
+    results = {"verl sync": {"goodput_tok_s": 100.0}, "verl colocate_async": {"goodput_tok_s": 300.0},
+               "tide": {"goodput_tok_s": 500.0}}
+    assert best_stock(results) == ("verl colocate_async", 300.0)
+    with pytest.raises(ValueError, match="no stock verl system"):
+        best_stock({"tide": {"goodput_tok_s": 1.0}})

@@ -1,0 +1,117 @@
+"""The same GRPO job under every trainer a verl user could pick instead of `+tide=enabled`, on one wall clock.
+
+Issue 24's head-to-head: verl `sync`; verl `colocate_async`; verl `separate_async` with verl's default hybrid
+replicas, with and without the hybrid switch, at every rollout/trainer split the job's fake GPUs allow; and
+`+tide=enabled`. Same model, data, environment, seeds, steps, staleness bound (`max_staleness`) and weight-sync
+cadence (every step) where the mode has one.
+
+One clock for all: goodput = tokens of the trajectories an update consumed (verl's `perf/total_num_tokens`)
+over the wall-clock from the first rollout request (the environment service's first /start: every system's
+agent loop starts an episode before its first generation) to the end of the last update (the arrival of the
+last step's metrics line). The job's start-up (Ray, model load, engine start) is reported apart.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, tide_overrides, with_overrides
+
+REWARD = "critic/score/mean"
+_STEP = re.compile(r"step:(\d+) - ")
+
+# Per-step metrics each system reports where it has them (None where a system has no such number).
+REPORTED = {
+    "reward": REWARD,
+    "step_s": "timing_s/step",
+    "weight_sync_s": "timing_s/update_weights",
+    "rwt_s": "tide/readiness/rwt_s",
+    "twt_s": "tide/readiness/twt_s",
+    "stale_dropped_groups": "tide/ledger/groups_dropped_stale",
+    "evicted_samples": "training/off_policy/evicted_samples",
+    "prefix_cache_hit_rate": "tide/rollout/prefix_cache_hit_rate",
+}
+
+
+@dataclass(frozen=True)
+class System:
+    """One trainer configuration of the comparison: a name and the overrides on top of the job's own."""
+
+    name: str
+    overrides: tuple[str, ...]
+    rollout_gpus: int  # fake GPUs that roll out (all of them for hybrid engines)
+
+
+def systems(job: GRPOJob, max_staleness: int = 1) -> list[System]:
+    """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all)."""
+    sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
+    out = [
+        System("verl sync", (), job.n_gpus),
+        System("verl colocate_async", ("trainer.v1.trainer_mode=colocate_async", sync_every_step), job.n_gpus),
+    ]
+    for rollout in range(1, job.n_gpus):  # every split the fake GPUs allow: at least one of each
+        split = [
+            "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=true",
+            f"trainer.n_gpus_per_node={job.n_gpus - rollout}", "actor_rollout_ref.rollout.nnodes=1",
+            f"actor_rollout_ref.rollout.n_gpus_per_node={rollout}",
+            "actor_rollout_ref.rollout.checkpoint_engine.backend=tide_shm",  # as tide's: same weight path
+            "trainer.v1.separate_async.parameter_sync_step=1", sync_every_step,
+        ]
+        for switch in (False, True):
+            label = f"verl separate_async {job.n_gpus - rollout}T/{rollout}R" + (" + hybrid switch" if switch else "")
+            out.append(System(label, (*split, f"trainer.v1.separate_async.hybrid_rollout.enable_switch={switch}"),
+                              rollout))
+    out.append(System("tide", (*tide_overrides(job), f"tide.max_staleness={max_staleness}"), 1))
+    return out
+
+
+def job_overrides(job: GRPOJob, system: System, agent: list[str]) -> list[str]:
+    """The full override list of `system` running `job` with the environment agent loop `agent`."""
+    overrides = with_overrides(grpo_overrides(job), [*agent, *system.overrides])
+    if system.name == "tide":  # `+tide=enabled` brings the tide: subtree; its env keys are then plain overrides
+        overrides = [o.replace("+tide.env.", "tide.env.") for o in overrides]
+    return overrides
+
+
+def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,
+                       first_request_unix: float | None) -> dict:
+    """Goodput and the per-step numbers of one run on the benchmark's clock.
+
+    `timed_lines`: (Unix time the line arrived, text) for every output line of the run; `started_unix`: when the
+    job was launched; `first_request_unix`: the environment service's first /start (None: no episode started)."""
+    arrivals: dict[int, float] = {}
+    for t, text in timed_lines:
+        for match in _STEP.finditer(text):
+            arrivals.setdefault(int(match.group(1)), t)
+    steps = parse_step_metrics("".join(text if text.endswith("\n") else text + "\n" for _, text in timed_lines))
+    done = sorted(n for n in steps if n in arrivals)
+    if not done or first_request_unix is None:
+        raise ValueError(f"no step finished or no rollout request seen (steps {sorted(steps)}, first request "
+                         f"{first_request_unix}): nothing to time")
+    end = arrivals[done[-1]]
+    tokens = sum(steps[n].get("perf/total_num_tokens", 0.0) for n in done)
+    wall = end - first_request_unix
+    later = [n for n in done if n > done[0]]
+    later_tokens = sum(steps[n].get("perf/total_num_tokens", 0.0) for n in later)
+    later_wall = end - arrivals[done[0]]
+    per_step = {n: {name: steps[n].get(key) for name, key in REPORTED.items()} for n in done}
+    for n in done:
+        per_step[n]["wall_s"] = arrivals[n] - first_request_unix
+    return {
+        "startup_s": first_request_unix - started_unix,
+        "wall_s": wall,
+        "tokens": tokens,
+        "goodput_tok_s": tokens / wall if wall > 0 else 0.0,
+        "goodput_after_step1_tok_s": later_tokens / later_wall if later and later_wall > 0 else 0.0,
+        "steps": per_step,
+    }
+
+
+def best_stock(results: dict[str, dict]) -> tuple[str, float]:
+    """The stock verl system with the highest wall-clock goodput, and that goodput."""
+    stock = {name: r["goodput_tok_s"] for name, r in results.items() if name != "tide" and "goodput_tok_s" in r}
+    if not stock:
+        raise ValueError("no stock verl system finished: nothing to compare tide with")
+    name = max(stock, key=stock.__getitem__)
+    return name, stock[name]
