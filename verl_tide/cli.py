@@ -20,6 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-sessions", type=int, default=1024)
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latencies (0 = none)")
+    serve.add_argument("--gym", default=None, metavar="ENV_ID",
+                       help="also serve this Gymnasium environment (and make it the default): docs/environment-service.md")
+    serve.add_argument("--gym-kwargs", default="{}", help="JSON keyword arguments for gymnasium.make")
+    serve.add_argument("--gym-actions", default="", help="comma-separated action names of a Discrete space, in order")
+    serve.add_argument("--gym-parser", default=None, metavar="MODULE:FUNC", help="(reply, action_space) -> action")
+    serve.add_argument("--gym-formatter", default=None, metavar="MODULE:FUNC", help="(observation, env) -> text")
+    serve.add_argument("--invalid-action-penalty", type=float, default=0.1,
+                       help="reward subtracted for a reply the parser cannot read")
 
     check = env.add_parser("check", help="conformance checks against a running server")
     check.add_argument("url")
@@ -69,6 +77,24 @@ def main(argv: list[str] | None = None) -> int:
         from verl_tide.env.envs import ENVIRONMENTS, PRESETS
         from verl_tide.env.server import ServerConfig, serve as run_server
 
+        if args.gym:
+            import json
+
+            from verl_tide.env.gym_adapter import load_callable, register_gym_environment
+
+            try:
+                gym_kwargs = json.loads(args.gym_kwargs)
+                if not isinstance(gym_kwargs, dict):
+                    raise ValueError("not a JSON object")
+                args.env = register_gym_environment(
+                    args.gym, gym_kwargs, action_names=[a for a in args.gym_actions.split(",") if a],
+                    parser=load_callable(args.gym_parser) if args.gym_parser else None,
+                    formatter=load_callable(args.gym_formatter) if args.gym_formatter else None,
+                    invalid_action_penalty=args.invalid_action_penalty)
+            except ImportError as e:
+                parser.error(f"--gym needs gymnasium (pip install gymnasium) or an importable parser/formatter: {e}")
+            except (KeyError, ValueError, AttributeError) as e:
+                parser.error(f"--gym {args.gym!r} / --gym-kwargs / --gym-parser / --gym-formatter: {e}")
         if args.env not in PRESETS and args.env not in ENVIRONMENTS:
             parser.error(f"--env {args.env!r}: allowed: {', '.join(sorted(set(PRESETS) | set(ENVIRONMENTS)))}")
         if args.session_timeout <= 0 or args.max_sessions <= 0 or args.max_body_bytes <= 0 or args.latency_scale < 0:

@@ -130,7 +130,7 @@ class EnvServer:
                 observation = env.reset(task)
             except Exception as e:  # a bad task spec or a broken environment: end it, report it
                 self._finish(sid, "reset failed")
-                raise _Error("env_error", f"reset of {name!r} failed: {e}") from None
+                raise _Error("env_error", f"reset of {name!r} failed (session {sid}): {e}") from None
             await self._sleep(env.preset.start_latency_s)
             session.last_active = self.clock()
         self.counters["started"] += 1
@@ -149,7 +149,7 @@ class EnvServer:
             try:
                 observation, reward, done, info = session.env.step(action)
             except Exception as e:
-                raise _Error("env_error", f"step failed: {e}") from None
+                raise _Error("env_error", f"step of {session.env.preset.env!r} failed (session {sid}): {e}") from None
             await self._sleep(session.env.step_latency())
             reply = {"observation": observation, "reward": reward, "done": done, "info": info}
             session.last_active, session.done = self.clock(), bool(done)
