@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--gym-formatter", default=None, metavar="MODULE:FUNC", help="(observation, env) -> text")
     serve.add_argument("--invalid-action-penalty", type=float, default=0.1,
                        help="reward subtracted for a reply the parser cannot read")
+    serve.add_argument("--openenv", default=None, metavar="URL",
+                       help="also serve the OpenEnv server at URL (and make it the default), one WebSocket an episode")
+    serve.add_argument("--openenv-action-field", default="message", help="the action field the reply goes into")
+    serve.add_argument("--openenv-observation-field", default=None,
+                       help="the observation field shown to the model (default: the whole observation as JSON)")
 
     check = env.add_parser("check", help="conformance checks against a running server")
     check.add_argument("url")
@@ -95,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--gym needs gymnasium (pip install gymnasium) or an importable parser/formatter: {e}")
             except (KeyError, ValueError, AttributeError) as e:
                 parser.error(f"--gym {args.gym!r} / --gym-kwargs / --gym-parser / --gym-formatter: {e}")
+        if args.openenv:
+            from verl_tide.env.openenv_bridge import register_openenv_environment
+
+            try:
+                args.env = register_openenv_environment(args.openenv, action_field=args.openenv_action_field,
+                                                        observation_field=args.openenv_observation_field)
+            except ValueError as e:
+                parser.error(f"--openenv: {e}")
         if args.env not in PRESETS and args.env not in ENVIRONMENTS:
             parser.error(f"--env {args.env!r}: allowed: {', '.join(sorted(set(PRESETS) | set(ENVIRONMENTS)))}")
         if args.session_timeout <= 0 or args.max_sessions <= 0 or args.max_body_bytes <= 0 or args.latency_scale < 0:

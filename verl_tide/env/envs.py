@@ -56,7 +56,9 @@ PRESETS: dict[str, EnvPreset] = {
 
 
 class Environment(ABC):
-    """One session's state. `reset` gives the first observation; `step` acts."""
+    """One session's state. `reset` gives the first observation; `step` acts; `close` runs when the session ends
+    for any reason (ended, expired, server stopped). `reset`, `step` and `close` may be coroutine functions
+    (an environment that is itself a client of a remote one): the server awaits them."""
 
     def __init__(self, rng: random.Random, preset: EnvPreset):
         self.rng = rng
@@ -68,6 +70,10 @@ class Environment(ABC):
 
     @abstractmethod
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
+
+    def close(self) -> Any:
+        """Release what the episode holds (a process, a connection); the default holds nothing."""
+        return None
 
     def step_latency(self) -> float:
         mean = self.preset.step_latency_s

@@ -109,8 +109,9 @@ class GymEnvironment(Environment):
                     {"invalid_action": True, "turns": self.turns})
         observation, reward, terminated, truncated, _info = self.env.step(chosen)
         done = bool(terminated or truncated or out_of_turns)
+        text = self._text("", observation)  # rendered before the episode closes
         self._close_if(done)
-        return self._text("", observation), float(reward), done, {"turns": self.turns, "action": str(chosen)}
+        return text, float(reward), done, {"turns": self.turns, "action": str(chosen)}
 
     def _text(self, prefix: str, observation: Any) -> str:
         text = self.spec.formatter(observation, self.env)
@@ -120,7 +121,12 @@ class GymEnvironment(Environment):
 
     def _close_if(self, done: bool) -> None:
         if done:
-            self.env.close()
+            self.close()
+
+    def close(self) -> None:
+        env, self.env = getattr(self, "env", None), None
+        if env is not None:
+            env.close()
 
 
 def register_gym_environment(env_id: str, kwargs: dict[str, Any] | None = None, *, name: str | None = None,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import itertools
 import json
 import secrets
@@ -57,6 +58,10 @@ class ServerConfig:
     tombstones: int = 10_000  # remembered ended session ids, for idempotent /end and clear 410s
 
 
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
 class _Error(Exception):
     def __init__(self, code: str, message: str, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
@@ -69,7 +74,9 @@ class EnvServer:
         self.clock = clock
         self.sessions: dict[str, Session] = {}
         self.ended: OrderedDict[str, str] = OrderedDict()  # session id -> why it ended
-        self.counters = {"started": 0, "ended": 0, "expired": 0, "rejected_full": 0, "paused": 0, "resumed": 0}
+        self.counters = {"started": 0, "ended": 0, "expired": 0, "rejected_full": 0, "paused": 0, "resumed": 0,
+                         "close_failed": 0}
+        self._closing: set[asyncio.Future] = set()
         # Wall-clock time (Unix seconds) of the first /start: a benchmark's one clock for every system it runs,
         # "from the first rollout request" (the agent loop starts an episode before its first generation).
         self.first_start_unix: Optional[float] = None
@@ -91,7 +98,8 @@ class EnvServer:
 
     async def start(self) -> str:
         """Serve in the running event loop; returns the base URL."""
-        self._runner = web.AppRunner(self.app(), handle_signals=False)
+        # stop() ends every session first; what is left is idle keep-alive connections, not work to wait for
+        self._runner = web.AppRunner(self.app(), handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -105,6 +113,8 @@ class EnvServer:
             self._reaper.cancel()
         for sid in list(self.sessions):
             self._finish(sid, "server shut down")
+        if self._closing:  # remote episodes: give their closes a moment
+            await asyncio.wait(list(self._closing), timeout=5)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -127,7 +137,7 @@ class EnvServer:
         self.sessions[sid] = session = Session(env, self.clock())
         async with session.lock:
             try:
-                observation = env.reset(task)
+                observation = await _maybe_await(env.reset(task))
             except Exception as e:  # a bad task spec or a broken environment: end it, report it
                 self._finish(sid, "reset failed")
                 raise _Error("env_error", f"reset of {name!r} failed (session {sid}): {e}") from None
@@ -147,7 +157,7 @@ class EnvServer:
             if session.done:
                 raise _Error("session_ended", f"session {sid}: the episode is done; call /end")
             try:
-                observation, reward, done, info = session.env.step(action)
+                observation, reward, done, info = await _maybe_await(session.env.step(action))
             except Exception as e:
                 raise _Error("env_error", f"step of {session.env.preset.env!r} failed (session {sid}): {e}") from None
             await self._sleep(session.env.step_latency())
@@ -229,8 +239,17 @@ class EnvServer:
             self._finish(sid, f"expired after {self.config.session_timeout_s:g} s without activity")
 
     def _finish(self, sid: str, reason: str) -> None:
-        if self.sessions.pop(sid, None) is None:
+        session = self.sessions.pop(sid, None)
+        if session is None:
             return
+        try:
+            closing = session.env.close()
+            if inspect.isawaitable(closing):  # a remote episode: closed in the background, kept until done
+                task = asyncio.ensure_future(closing)
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+        except Exception:  # an environment that fails to close must not keep the session open
+            self.counters["close_failed"] += 1
         self.counters["ended"] += 1
         self.ended[sid] = reason
         while len(self.ended) > self.config.tombstones:
