@@ -128,3 +128,19 @@ def test_serve_names_the_bad_flag():
         main(["env", "serve", "--gym", "NoSuchEnv-v0"])
     with pytest.raises(SystemExit):
         main(["env", "serve", "--gym", "FrozenLake-v1", "--gym-kwargs", "[1, 2]"])
+
+
+def test_env_tasks_writes_one_row_an_episode_for_the_named_environment(tmp_path):
+    import pandas as pd
+
+    from verl_tide.cli import main
+
+    out = tmp_path / "train.parquet"
+    assert main(["env", "tasks", "--env", "FrozenLake-v1", "--n", "3", "--seed", "7", "--out", str(out)]) == 0
+    rows = pd.read_parquet(out)
+    specs = [r["tide_env"] for r in rows["extra_info"]]
+    assert [s["env"] for s in specs] == ["FrozenLake-v1"] * 3 and [s["seed"] for s in specs] == [7, 8, 9]
+    assert all("task" not in s for s in specs)  # /start gets no task: the environment's own reset
+    assert rows["prompt"][0][0]["content"].startswith("Play the game.")
+    with pytest.raises(SystemExit):
+        main(["env", "tasks", "--env", "FrozenLake-v1", "--n", "0", "--out", str(out)])

@@ -18,7 +18,8 @@ NAMES = sorted(p.stem for p in RECIPES.glob("tide_*.yaml"))
 REQUIRED = ["data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet",
             "actor_rollout_ref.model.path=Qwen/Qwen2.5-3B-Instruct"]
 EXTRA = {"tide_grpo_tool_agent": ["actor_rollout_ref.rollout.multi_turn.tool_config_path=/cfg/tools.yaml"],
-         "tide_grpo_env_service": ["tide.env.url=http://127.0.0.1:8000"]}
+         "tide_grpo_env_service": ["tide.env.url=http://127.0.0.1:8000"],
+         "tide_grpo_gym": ["tide.env.url=http://127.0.0.1:8765"]}
 
 
 def _compose(name: str, tmp_path, *extra: str) -> subprocess.CompletedProcess:
@@ -28,7 +29,8 @@ def _compose(name: str, tmp_path, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_there_are_text_tool_env_and_vlm_recipes():
-    assert NAMES == ["tide_grpo_env_service", "tide_grpo_text", "tide_grpo_tool_agent", "tide_grpo_vlm"]
+    assert NAMES == ["tide_grpo_env_service", "tide_grpo_gym", "tide_grpo_text", "tide_grpo_tool_agent",
+                     "tide_grpo_vlm"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -51,6 +53,7 @@ def test_recipe_composes_and_passes_the_start_up_checks(name, tmp_path):
         omega_conf_to_dataclass(OmegaConf.select(cfg, node))  # verl's own schema: unknown keys raise here
     agent = job["actor_rollout_ref"]["rollout"]["agent"]["default_agent_loop"]
     expected = {"tide_grpo_tool_agent": "tide_tool_agent", "tide_grpo_env_service": "tide_env_agent",
+                "tide_grpo_gym": "tide_env_agent",
                 "tide_grpo_text": "tide_single_turn_agent", "tide_grpo_vlm": "tide_single_turn_agent"}
     assert agent == expected[name]
 

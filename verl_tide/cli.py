@@ -34,6 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--openenv-observation-field", default=None,
                        help="the observation field shown to the model (default: the whole observation as JSON)")
 
+    tasks = env.add_parser("tasks", help="write RL rows (parquet) for the tide_env_agent loop: one episode each")
+    tasks.add_argument("--env", required=True, help="the environment name the server serves (e.g. FrozenLake-v1)")
+    tasks.add_argument("--n", type=int, required=True, help="rows (episodes)")
+    tasks.add_argument("--out", required=True, help="parquet file to write")
+    tasks.add_argument("--seed", type=int, default=0, help="first episode's seed (row i gets seed + i)")
+    tasks.add_argument("--prompt", default="Play the game. Each turn, answer with one action.",
+                       help="the system prompt of every row (the environment's first observation follows it)")
+
     check = env.add_parser("check", help="conformance checks against a running server")
     check.add_argument("url")
     check.add_argument("--env", default=None, help="environment to start (default: the server's default)")
@@ -77,6 +85,13 @@ def main(argv: list[str] | None = None) -> int:
         from importlib.resources import files
 
         print(files("verl_tide") / "conf" / "router" / "ctb.yaml")
+        return 0
+    if args.command == "tasks":
+        from verl_tide.testing.tiny_model import write_env_task_parquet
+
+        if args.n <= 0:
+            parser.error(f"--n {args.n}: must be > 0")
+        print(write_env_task_parquet(args.out, args.n, env=args.env, seed=args.seed, prompt=args.prompt, task={}))
         return 0
     if args.command == "serve":
         from verl_tide.env.envs import ENVIRONMENTS, PRESETS

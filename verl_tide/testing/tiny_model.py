@@ -145,17 +145,22 @@ def write_gsm8k_style_parquet(path: str | Path, n: int, seed: int = 0) -> Path:
     return path
 
 
-def write_env_task_parquet(path: str | Path, n: int, env: str = "tiny", seed: int = 0) -> Path:
-    """RL rows for the `tide_env_agent` loop: a system prompt and `extra_info.tide_env` per row."""
+def write_env_task_parquet(path: str | Path, n: int, env: str = "tiny", seed: int = 0,
+                           prompt: str = "Play the game. Answer with one number.",
+                           task: dict | None = None) -> Path:
+    """RL rows for the `tide_env_agent` loop: a system prompt and `extra_info.tide_env` per row (`task`: what
+    /start passes to the environment's reset; default the guessing game's range)."""
+    task = {"low": 1, "high": 16} if task is None else task
     import pandas as pd
 
     rows = [
         {
             "data_source": f"tide_env/{env}",
-            "prompt": [{"role": "system", "content": "Play the game. Answer with one number."}],
+            "prompt": [{"role": "system", "content": prompt}],
             "ability": "agent",
             "reward_model": {"style": "env", "ground_truth": ""},
-            "extra_info": {"index": i, "tide_env": {"env": env, "task": {"low": 1, "high": 16}, "seed": seed + i}},
+            # (Parquet has no empty struct: an empty task is left out, and /start gets none)
+            "extra_info": {"index": i, "tide_env": {"env": env, **({"task": task} if task else {}), "seed": seed + i}},
         }
         for i in range(n)
     ]
