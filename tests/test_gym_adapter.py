@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 import gymnasium  # in constraints/cpu.txt (the `gym` extra): a missing install fails here, never skips
 import pytest
 
 from verl_tide.env.client import EnvClient, EnvError
 from verl_tide.env.conformance import run_checks
-from verl_tide.env.envs import ENVIRONMENTS, PRESETS
 from verl_tide.env.gym_adapter import InvalidAction, discrete_action_parser, register_gym_environment
-from verl_tide.env.server import EnvServer, ServerConfig
+from verl_tide.testing.env_hosting import hosted
 
 ACTIONS = ["left", "down", "right", "up"]  # FrozenLake's Discrete(4), in order
 
@@ -20,13 +17,8 @@ ACTIONS = ["left", "down", "right", "up"]  # FrozenLake's Discrete(4), in order
 async def frozen_lake():
     name = register_gym_environment("FrozenLake-v1", {"is_slippery": False}, name="frozen-test",
                                     action_names=ACTIONS, invalid_action_penalty=0.25)
-    server = EnvServer(ServerConfig(latency_scale=0.0, default_env=name, session_timeout_s=5.0), clock=time.monotonic)
-    try:
-        yield server, await server.start()
-    finally:
-        await server.stop()
-        ENVIRONMENTS.pop(name, None)
-        PRESETS.pop(name, None)
+    async with hosted(name, session_timeout_s=5.0) as served:
+        yield served
 
 
 async def test_an_episode_of_frozen_lake_walks_to_the_goal_through_text(frozen_lake):
@@ -71,9 +63,7 @@ async def test_pause_keeps_a_gym_episode_alive_past_the_timeout():
 
     clock = Clock()
     name = register_gym_environment("FrozenLake-v1", {"is_slippery": False}, name="frozen-pause", action_names=ACTIONS)
-    server = EnvServer(ServerConfig(latency_scale=0.0, default_env=name, session_timeout_s=5.0), clock=clock)
-    url = await server.start()
-    try:
+    async with hosted(name, clock=clock, session_timeout_s=5.0) as (_, url):
         async with EnvClient(url, max_retries=0) as c:
             paused, idle = (await c.start(seed=0)).session_id, (await c.start(seed=1)).session_id
             await c.pause(paused)
@@ -83,10 +73,6 @@ async def test_pause_keeps_a_gym_episode_alive_past_the_timeout():
             await c.resume(paused)
             assert not (await c.step(paused, "right")).done  # still alive, same episode
             await c.end(paused)
-    finally:
-        await server.stop()
-        ENVIRONMENTS.pop(name, None)
-        PRESETS.pop(name, None)
 
 
 async def test_the_conformance_kit_passes_the_gym_adapter(frozen_lake):
@@ -98,17 +84,11 @@ async def test_the_conformance_kit_passes_the_gym_adapter(frozen_lake):
 
 async def test_an_observation_that_is_not_text_is_a_clear_error_naming_the_environment():
     name = register_gym_environment("CartPole-v1", name="cartpole-test")
-    server = EnvServer(ServerConfig(latency_scale=0.0, default_env=name))
-    url = await server.start()
-    try:
+    async with hosted(name) as (server, url):
         async with EnvClient(url, max_retries=0) as c:
             with pytest.raises(EnvError, match=r"cartpole-test.*not text.*render_mode='ansi'"):
                 await c.start()
         assert not server.sessions
-    finally:
-        await server.stop()
-        ENVIRONMENTS.pop(name, None)
-        PRESETS.pop(name, None)
 
 
 def test_the_default_parser_reads_names_then_integers_in_range():

@@ -10,9 +10,8 @@ from aiohttp import WSMsgType, web
 
 from verl_tide.env.client import EnvClient, EnvError
 from verl_tide.env.conformance import run_checks
-from verl_tide.env.envs import ENVIRONMENTS, PRESETS
 from verl_tide.env.openenv_bridge import register_openenv_environment, ws_url
-from verl_tide.env.server import EnvServer, ServerConfig
+from verl_tide.testing.env_hosting import hosted
 
 
 class FakeOpenEnv:
@@ -70,14 +69,11 @@ async def bridged():
     runner, url = await remote.start()
     name = register_openenv_environment(url, name="openenv-echo", action_field="message",
                                         observation_field="echoed_message", max_turns=10, timeout_s=10)
-    server = EnvServer(ServerConfig(latency_scale=0.0, default_env=name, session_timeout_s=30.0))
     try:
-        yield remote, server, await server.start()
+        async with hosted(name, session_timeout_s=30.0) as (server, server_url):
+            yield remote, server, server_url
     finally:
-        await server.stop()
         await runner.cleanup()
-        ENVIRONMENTS.pop(name, None)
-        PRESETS.pop(name, None)
 
 
 def test_the_socket_url_is_the_one_openenvs_client_builds():
@@ -116,17 +112,11 @@ async def test_a_refused_action_is_an_error_naming_the_environment_the_session_a
 
 async def test_an_unreachable_openenv_server_fails_the_start_clearly():
     name = register_openenv_environment("http://127.0.0.1:9", name="openenv-down", timeout_s=2)
-    server = EnvServer(ServerConfig(latency_scale=0.0, default_env=name))
-    url = await server.start()
-    try:
+    async with hosted(name) as (server, url):
         async with EnvClient(url, max_retries=0) as c:
             with pytest.raises(EnvError, match=r"openenv-down.*cannot open OpenEnv session at ws://127.0.0.1:9/ws"):
                 await c.start()
         assert not server.sessions
-    finally:
-        await server.stop()
-        ENVIRONMENTS.pop(name, None)
-        PRESETS.pop(name, None)
 
 
 async def test_the_conformance_kit_passes_the_openenv_bridge(bridged):
