@@ -359,19 +359,36 @@ def _check_ers_run(run, kl_job):
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
-def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_service_url, tmp_path_factory):
+def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, tmp_path_factory):
     """tide.ra2p.ref_ranks=0 with tide.ers.min_ref_ranks=1: no GPU is set aside for Ref; rank 1 of the two
     rollout ranks hosts the Ref replica from the start and rank 0 does all the rollout. With
     tide.max_staleness=0 and tide.staleness_strategy=wait nothing is dropped: the trainer waits for groups of
-    the current version, and that wait is counted as trainer wait time."""
+    the current version, and that wait is counted as trainer wait time. The environment is one this repository
+    did not write: Gymnasium's FrozenLake, served through the adapter (`verl-tide env serve --gym`); every
+    episode the job started was ended."""
+    import json
+    import signal
+    import urllib.request
+
     work = tmp_path_factory.mktemp("tide_ers_only")
-    kl_job = GRPOJob(**{**_ers_job(job).__dict__, "steps": 2})
-    overrides = with_overrides(grpo_overrides(kl_job), [
-        *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
-        "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.max_staleness=0",
-        "tide.staleness_strategy=wait"])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=600)
+    train = write_env_task_parquet(work / "train.parquet", 24, env="FrozenLake-v1")
+    val = write_env_task_parquet(work / "val.parquet", 2, env="FrozenLake-v1", seed=100)
+    kl_job = GRPOJob(**{**_ers_job(job).__dict__, "steps": 2, "train_file": str(train), "val_file": str(val)})
+    env_proc, env_service_url = spawn_env_service(
+        "--session-timeout", "600", "--gym", "FrozenLake-v1", "--gym-kwargs", '{"is_slippery": false}',
+        "--gym-actions", "left,down,right,up")
+    try:
+        overrides = with_overrides(grpo_overrides(kl_job), [
+            *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+            f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
+            "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.max_staleness=0",
+            "tide.staleness_strategy=wait"])
+        run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=600)
+        with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
+            health = json.load(r)
+    finally:
+        env_proc.send_signal(signal.SIGTERM)
+        env_proc.communicate(timeout=30)
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == [1, 2], run.output[-3000:]
@@ -380,14 +397,21 @@ def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, env_s
         assert m["tide/ctb/ranks"] == 1 and m["tide/ra2p/ref_replicas_used"] == 1, m
         assert m["tide/ers/ranks_ref"] == 1 and m["tide/ers/ranks_rollout"] == 1
         assert m["tide/ra2p/ref_service_served"] == m["tide/ra2p/ref_service_put"] > 0, m
+        assert m["num_turns/max"] >= 2, m  # multi-turn FrozenLake episodes reached the update
     assert abs(steps[1]["actor/kl_loss"]) < 1e-6 and steps[2]["actor/kl_loss"] > 0
     last = steps[2]
     settled = sum(last[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                            "dropped_failed"))
     assert settled + last["tide/ledger/groups_held"] == last["tide/ledger/groups_submitted"]
     assert last["tide/ledger/groups_consumed"] == 2 * kl_job.train_batch_size
-    assert last["tide/ledger/groups_dropped_stale"] == 0, last
+    assert last["tide/ledger/groups_dropped_stale"] == 0 and last["tide/ledger/groups_dropped_failed"] == 0, last
     assert all(m["tide/readiness/twt_s"] > 0 for m in steps.values()), steps  # the trainer waited for ready groups
+    # every FrozenLake episode the job started is accounted for: ended (at least the trained ones), or still
+    # open when the job stopped (a trajectory for the step after the last: the server expires it), none failed
+    # to close
+    trained = 2 * kl_job.train_batch_size * kl_job.rollout_n
+    assert health["ended"] >= trained and health["ended"] + health["sessions"] == health["started"], health
+    assert health["close_failed"] == 0, health
 
 
 def test_split_mode_with_an_elastic_ref_rank_beside_verls_ref(job, env_service_url, tmp_path_factory):
