@@ -22,15 +22,13 @@ import urllib.request
 from pathlib import Path
 
 from verl_tide.testing.compare import REWARD, best_stock, job_overrides, systems, wall_clock_summary
-from verl_tide.testing.demo import plot_rewards
+from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_main_ppo, spawn_env_service
-from verl_tide.testing.tiny_model import build_tiny_model, write_env_task_parquet
 
 
 def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float) -> dict:
     env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=latency_scale)
-    agent = ["actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"+tide.env.url={env_url}",
-             "+tide.env.max_tokens_per_turn=8"]
+    agent = env_agent_overrides(env_url)
     lines: list[tuple[float, str]] = []
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
     try:
@@ -64,12 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    model = build_tiny_model(work / "model")
-    train = write_env_task_parquet(work / "data" / "train.parquet", args.batch * (args.steps + 3), env="tiny_slow")
-    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
-    job = GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=args.gpus,
-                  steps=args.steps, train_batch_size=args.batch, rollout_n=args.n, prompt_length=128,
-                  response_length=96)
+    job = demo_job(work, args.steps, args.batch, args.n, args.gpus)
     results: dict[str, dict] = {}
     for system in systems(job, args.max_staleness):
         if args.only and not any(o in system.name for o in args.only):

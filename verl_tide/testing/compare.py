@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from verl_tide.testing.demo import under_tide
 from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, tide_overrides, with_overrides
 
 REWARD = "critic/score/mean"
@@ -69,9 +70,7 @@ def systems(job: GRPOJob, max_staleness: int = 1) -> list[System]:
 def job_overrides(job: GRPOJob, system: System, agent: list[str]) -> list[str]:
     """The full override list of `system` running `job` with the environment agent loop `agent`."""
     overrides = with_overrides(grpo_overrides(job), [*agent, *system.overrides])
-    if system.name == "tide":  # `+tide=enabled` brings the tide: subtree; its env keys are then plain overrides
-        overrides = [o.replace("+tide.env.", "tide.env.") for o in overrides]
-    return overrides
+    return under_tide(overrides) if system.name == "tide" else overrides
 
 
 def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,

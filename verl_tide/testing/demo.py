@@ -34,6 +34,26 @@ REWARD = "critic/score/mean"
 _STEP = re.compile(r"step:(\d+) - ")
 
 
+def demo_job(work: Path, steps: int, batch: int, n: int, gpus: int = 2) -> GRPOJob:
+    """The demo's job: a tiny local model and `tiny_slow` environment tasks written under `work`."""
+    model = build_tiny_model(work / "model")
+    train = write_env_task_parquet(work / "data" / "train.parquet", batch * (steps + 3), env="tiny_slow")
+    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
+    return GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=gpus, steps=steps,
+                   train_batch_size=batch, rollout_n=n, prompt_length=128, response_length=96)
+
+
+def env_agent_overrides(env_url: str) -> list[str]:
+    """verl-tide's environment agent loop against `env_url`, 8 tokens a turn."""
+    return ["actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"+tide.env.url={env_url}",
+            "+tide.env.max_tokens_per_turn=8"]
+
+
+def under_tide(overrides: list[str]) -> list[str]:
+    """`+tide=enabled` brings the whole tide: subtree; the agent loop's tide.env.* are then plain overrides."""
+    return [o.replace("+tide.env.", "tide.env.") for o in overrides]
+
+
 def goodput(steps: dict[int, dict[str, float]]) -> dict[str, float]:
     """Consumed tokens per second of step wall-clock, from verl's per-step metrics: over all steps, and
     from step 2 on (step 1 carries one-off costs: lazy engine start-up, the first pipeline fill)."""
@@ -100,20 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_demo_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     print(f"[demo] building a tiny model and environment tasks in {work}", flush=True)
-    model = build_tiny_model(work / "model")
-    rows = args.batch * (args.steps + 3)
-    train = write_env_task_parquet(work / "data" / "train.parquet", rows, env="tiny_slow")
-    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
-    job = GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=2, steps=args.steps,
-                  train_batch_size=args.batch, rollout_n=args.n, prompt_length=128, response_length=96)
+    job = demo_job(work, args.steps, args.batch, args.n)
     env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=args.latency_scale)
     print(f"[demo] environment service {env_url} (tiny_slow, latency x{args.latency_scale})", flush=True)
-    agent = ["actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"+tide.env.url={env_url}",
-             "+tide.env.max_tokens_per_turn=8"]
+    agent = env_agent_overrides(env_url)
     runs = {"stock": with_overrides(grpo_overrides(job), agent),
-            "tide": with_overrides(grpo_overrides(job), [*agent, *tide_overrides(job)])}
-    # `+tide=enabled` brings the whole tide: subtree; the agent loop's tide.env.* are then plain overrides.
-    runs["tide"] = [o.replace("+tide.env.", "tide.env.") for o in runs["tide"]]
+            "tide": under_tide(with_overrides(grpo_overrides(job), [*agent, *tide_overrides(job)]))}
     results: dict[str, dict] = {}
     try:
         for name, overrides in runs.items():
