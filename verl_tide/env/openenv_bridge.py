@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import aiohttp
+
 from verl_tide.env.envs import Environment, EnvPreset, register_environment
 
 
@@ -55,8 +57,6 @@ class OpenEnvEnvironment(Environment):
     _ws: Any = None
 
     async def reset(self, task: dict[str, Any]) -> str:
-        import aiohttp
-
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=self.spec.timeout_s))
         try:
             self._ws = await self._http.ws_connect(ws_url(self.spec.url))
@@ -89,8 +89,6 @@ class OpenEnvEnvironment(Environment):
             await http.close()
 
     async def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
-        import aiohttp
-
         if self._ws is None:
             raise OpenEnvError(f"{self.spec.url}: the OpenEnv session is closed")
         await self._ws.send_json(message)
