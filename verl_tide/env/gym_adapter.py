@@ -44,18 +44,16 @@ def discrete_action_parser(names: Sequence[str] = ()) -> ActionParser:
     lowered = [n.lower() for n in names]
 
     def parse(text: str, space: Any) -> Any:
-        n = int(getattr(space, "n", 0))
+        n, start = int(getattr(space, "n", 0)), int(getattr(space, "start", 0))
         if n <= 0:
             raise InvalidAction(f"the default parser reads Discrete action spaces, not {space}; pass a parser")
-        words = re.findall(r"[a-z_]+", text.lower())
-        for word in words:
+        for word in re.findall(r"[a-z_]+", text.lower()):
             if word in lowered:
-                return lowered.index(word) + int(getattr(space, "start", 0))
+                return lowered.index(word) + start
         for match in _INT.finditer(text):
-            action = int(match.group())
-            if int(getattr(space, "start", 0)) <= action < int(getattr(space, "start", 0)) + n:
-                return action
-        allowed = ", ".join(names) if names else f"an integer {space.start}..{space.start + n - 1}"
+            if start <= int(match.group()) < start + n:
+                return int(match.group())
+        allowed = ", ".join(names) if names else f"an integer {start}..{start + n - 1}"
         raise InvalidAction(f"no action in {text[:80]!r}; answer with {allowed}")
 
     return parse
