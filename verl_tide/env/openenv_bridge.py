@@ -34,6 +34,17 @@ class OpenEnvError(RuntimeError):
     """The OpenEnv server refused a message or broke the session."""
 
 
+def observation_text(observation: dict[str, Any], field: Optional[str], where: str) -> str:
+    """What the model reads: one field of an OpenEnv observation, or the whole observation as JSON."""
+    if field is None:
+        return json.dumps(observation, sort_keys=True, default=str)
+    if field not in observation:
+        raise OpenEnvError(f"{where}: the observation has no field {field!r} (fields: {sorted(observation)}); "
+                           "set --openenv-observation-field")
+    value = observation[field]
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def ws_url(base: str) -> str:
     """OpenEnv's socket for a base URL (http(s):// -> ws(s)://, then /ws), as its own client builds it."""
     base = base.rstrip("/")
@@ -105,16 +116,7 @@ class OpenEnvEnvironment(Environment):
         return reply["data"]
 
     def _text(self, data: dict[str, Any]) -> str:
-        observation = data.get("observation") or {}
-        field = self.spec.observation_field
-        if field is None:
-            return json.dumps(observation, sort_keys=True)
-        if field not in observation:
-            raise OpenEnvError(f"{self.spec.url}: the observation has no field {field!r} (fields: "
-                               f"{sorted(observation)}); set --openenv-observation-field")
-        value = observation[field]
-        return value if isinstance(value, str) else json.dumps(value)
-
+        return observation_text(data.get("observation") or {}, self.spec.observation_field, where=self.spec.url)
 
 def register_openenv_environment(url: str, *, name: str = "openenv", action_field: str = "message",
                                  observation_field: Optional[str] = None, max_turns: int = 50,

@@ -55,11 +55,10 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     latency_scale: float = 1.0  # multiply environment latencies (0 = none, for tests)
     retry_after_s: int = 1
+    # An environment step (or reset) that takes longer ends with an error naming the environment and the session,
+    # below the client's own request timeout (tide.env.request_timeout_s, 30 s) so the agent loop reads why.
+    step_timeout_s: float = 20.0
     tombstones: int = 10_000  # remembered ended session ids, for idempotent /end and clear 410s
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 class _Error(Exception):
@@ -137,7 +136,10 @@ class EnvServer:
         self.sessions[sid] = session = Session(env, self.clock())
         async with session.lock:
             try:
-                observation = await _maybe_await(env.reset(task))
+                observation = await self._bounded(env.reset(task), f"reset of {name!r}", sid)
+            except _Error:
+                self._finish(sid, "reset timed out")
+                raise
             except Exception as e:  # a bad task spec or a broken environment: end it, report it
                 self._finish(sid, "reset failed")
                 raise _Error("env_error", f"reset of {name!r} failed (session {sid}): {e}") from None
@@ -157,7 +159,11 @@ class EnvServer:
             if session.done:
                 raise _Error("session_ended", f"session {sid}: the episode is done; call /end")
             try:
-                observation, reward, done, info = await _maybe_await(session.env.step(action))
+                observation, reward, done, info = await self._bounded(
+                    session.env.step(action), f"step of {session.env.preset.env!r}", sid)
+            except _Error:
+                session.done = True  # the environment may still be working on it: no second step into it
+                raise
             except Exception as e:
                 raise _Error("env_error", f"step of {session.env.preset.env!r} failed (session {sid}): {e}") from None
             await self._sleep(session.env.step_latency())
@@ -197,6 +203,16 @@ class EnvServer:
                                   "first_start_unix": self.first_start_unix, **self.counters})
 
     # ---- helpers ---------------------------------------------------------------------------
+    async def _bounded(self, value: Any, what: str, sid: str) -> Any:
+        """Await an environment call for at most `step_timeout_s` (a sync environment has already returned)."""
+        if not inspect.isawaitable(value):
+            return value
+        try:
+            return await asyncio.wait_for(value, self.config.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise _Error("env_error", f"{what} timed out after {self.config.step_timeout_s:g} s (session {sid})") \
+                from None
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
         try:
@@ -247,13 +263,18 @@ class EnvServer:
             if inspect.isawaitable(closing):  # a remote episode: closed in the background, kept until done
                 task = asyncio.ensure_future(closing)
                 self._closing.add(task)
-                task.add_done_callback(self._closing.discard)
+                task.add_done_callback(self._closed)
         except Exception:  # an environment that fails to close must not keep the session open
             self.counters["close_failed"] += 1
         self.counters["ended"] += 1
         self.ended[sid] = reason
         while len(self.ended) > self.config.tombstones:
             self.ended.popitem(last=False)
+
+    def _closed(self, task: asyncio.Future) -> None:
+        self._closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.counters["close_failed"] += 1
 
     async def _reap_forever(self) -> None:
         interval = max(0.05, min(1.0, self.config.session_timeout_s / 4))

@@ -24,6 +24,13 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_path))
+
+
+@pytest.fixture(scope="session")
 def grpo_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from verl_tide.testing.tiny_model import write_gsm8k_style_parquet
 
