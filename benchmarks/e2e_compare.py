@@ -21,7 +21,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from verl_tide.testing.compare import REWARD, best_stock, job_overrides, systems, wall_clock_summary
+from verl_tide.testing.compare import REWARD, best_stock, is_tide, job_overrides, systems, wall_clock_summary
 from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_main_ppo, spawn_env_service
 
@@ -83,15 +83,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>44} | {r['startup_s']:>10.1f} | {r['wall_s']:>7.1f} | {r['tokens']:>7.0f} | "
               f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {rewards}")
     finished = {k: v for k, v in results.items() if v["returncode"] == 0}
-    if "tide" in finished and len(finished) > 1:
+    stock = [n for n in finished if not is_tide(n)]
+    for tide in (n for n in finished if is_tide(n)):
+        if not stock:
+            break
         stock_name, stock_goodput = best_stock(finished)
-        ratio = finished["tide"]["goodput_tok_s"] / stock_goodput
-        print(f"goodput tide/best stock: {ratio:.2f}x (best stock = {stock_name})")
-        results["best_stock"] = {"system": stock_name, "ratio": ratio}
+        ratio = finished[tide]["goodput_tok_s"] / stock_goodput
+        print(f"goodput {tide}/best stock: {ratio:.2f}x (best stock = {stock_name})")
+        results.setdefault("best_stock", {})[tide] = {"system": stock_name, "ratio": ratio}
         if "verl sync" in finished:
-            sync_ratio = finished["tide"]["goodput_tok_s"] / finished["verl sync"]["goodput_tok_s"]
-            print(f"goodput tide/sync: {sync_ratio:.2f}x")
-            results["tide_over_sync"] = sync_ratio
+            sync_ratio = finished[tide]["goodput_tok_s"] / finished["verl sync"]["goodput_tok_s"]
+            print(f"goodput {tide}/sync: {sync_ratio:.2f}x")
+            results.setdefault("over_sync", {})[tide] = sync_ratio
     for axis in ("step", "wall_s"):
         curves = {name: [(n if axis == "step" else s["wall_s"], s["reward"] or 0.0) for n, s in r["steps"].items()]
                   for name, r in finished.items()}

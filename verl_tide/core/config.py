@@ -123,6 +123,9 @@ class ERSConfig:
     """Elastic Resource Scaling between rollout and Ref at the weight-sync boundary (paper Sec. 5.2)."""
 
     enabled: bool = field(default=True, metadata=_help("false keeps every rank in its starting role"))
+    lend_actor: bool = field(default=False, metadata=_help(
+        "the Actor's GPUs also roll out (verl's hybrid replicas) until a step has enough ready groups: the cold "
+        "start, evaluations, waits inside a step; jobs without a Ref model"))
     tau: float = field(
         default=1.0,
         metadata=_check(lambda x: x > 0, "> 0", "head-of-line threshold as a multiple of the mean step time"),

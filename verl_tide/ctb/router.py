@@ -94,6 +94,7 @@ class CTBLoadBalancer:
                               "tasks_moved_off_removed_ranks": 0})
         self.quarantined: dict[str, str] = {}  # server id -> why
         self._assigned: dict[str, str] = {}  # request id -> the rank of its latest turn
+        self.turns_served: dict[str, int] = {}  # server id -> turns routed to it, kept after it leaves the pool
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
         self.metrics_url: Optional[str] = None
@@ -299,6 +300,7 @@ class CTBLoadBalancer:
             "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
             "active_servers": len(self.servers), "busy_s": self.busy_seconds(),
             "idle_rank_s": self.idle_rank_seconds(), "kv_wait_s": self.kv_wait_seconds(),
+            "turns_served": dict(self.turns_served),
             "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
                     "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
                     **s.counters, **self.counters},
@@ -371,6 +373,7 @@ class CTBLoadBalancer:
         if self.inflight[server_id] == 0:
             self._busy_since[server_id] = self.clock()
         self.inflight[server_id] += 1
+        self.turns_served[server_id] = self.turns_served.get(server_id, 0) + 1
         return server_id, self.servers[server_id]
 
     async def _env_pause(self, task_id: tuple[str, int]) -> None:

@@ -20,6 +20,7 @@ from verl_tide.testing.demo import under_tide
 from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, tide_overrides, with_overrides
 
 REWARD = "critic/score/mean"
+LENDING = "tide + lend_actor"
 _STEP = re.compile(r"step:(\d+) - ")
 
 # Per-step metrics each system reports where it has them (None where a system has no such number).
@@ -32,6 +33,8 @@ REPORTED = {
     "stale_dropped_groups": "tide/ledger/groups_dropped_stale",
     "evicted_samples": "training/off_policy/evicted_samples",
     "prefix_cache_hit_rate": "tide/rollout/prefix_cache_hit_rate",
+    "actor_lent_turns": "tide/ers/actor_lent_turns",
+    "switch_wait_s": "timing_s/switch_wait",
 }
 
 
@@ -57,20 +60,30 @@ def systems(job: GRPOJob, max_staleness: int = 1) -> list[System]:
             f"trainer.n_gpus_per_node={job.n_gpus - rollout}", "actor_rollout_ref.rollout.nnodes=1",
             f"actor_rollout_ref.rollout.n_gpus_per_node={rollout}",
             "actor_rollout_ref.rollout.checkpoint_engine.backend=tide_shm",  # as tide's: same weight path
+            # verl imports this in every process that builds a checkpoint engine (stock verl's workers never
+            # import the trainer `tide` that registers the backend otherwise)
+            "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=verl_tide.weight_sync",
             "trainer.v1.separate_async.parameter_sync_step=1", sync_every_step,
         ]
         for switch in (False, True):
             label = f"verl separate_async {job.n_gpus - rollout}T/{rollout}R" + (" + hybrid switch" if switch else "")
             out.append(System(label, (*split, f"trainer.v1.separate_async.hybrid_rollout.enable_switch={switch}"),
                               rollout))
-    out.append(System("tide", (*tide_overrides(job), f"tide.max_staleness={max_staleness}"), 1))
+    tide = (*tide_overrides(job), f"tide.max_staleness={max_staleness}")
+    out.append(System("tide", tide, 1))
+    # ERS lending the Actor's GPUs to rollout (verl's hybrid replica beside the Actor; not the default yet)
+    out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
+
+
+def is_tide(name: str) -> bool:
+    return name.startswith("tide")
 
 
 def job_overrides(job: GRPOJob, system: System, agent: list[str]) -> list[str]:
     """The full override list of `system` running `job` with the environment agent loop `agent`."""
     overrides = with_overrides(grpo_overrides(job), [*agent, *system.overrides])
-    return under_tide(overrides) if system.name == "tide" else overrides
+    return under_tide(overrides) if is_tide(system.name) else overrides
 
 
 def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,
@@ -109,7 +122,7 @@ def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:
     """The stock verl system with the highest wall-clock goodput, and that goodput."""
-    stock = {name: r["goodput_tok_s"] for name, r in results.items() if name != "tide" and "goodput_tok_s" in r}
+    stock = {name: r["goodput_tok_s"] for name, r in results.items() if not is_tide(name) and "goodput_tok_s" in r}
     if not stock:
         raise ValueError("no stock verl system finished: nothing to compare tide with")
     name = max(stock, key=stock.__getitem__)

@@ -27,6 +27,7 @@ class RolloutReport:
     def __init__(self, pool: Any, backend: str, ctb_enabled: bool, exporter: Optional[Any] = None):
         self.pool, self.backend, self.ctb_enabled, self.exporter = pool, backend, ctb_enabled, exporter
         self._engine_scrapes: dict[str, Any] = {}
+        self.turns_served: dict[str, int] = {}  # per server, from CTB's last status (lending counts the Actor's)
 
     def _router(self) -> Any:
         return load_balancer(self.pool)
@@ -82,6 +83,7 @@ class RolloutReport:
             logger.warning("verl-tide: could not read CTB status: %s", e)
             return {}
         ctb = status["ctb"]
+        self.turns_served = dict(status.get("turns_served", {}))
         if self.exporter is not None:
             self.exporter.update_from_ctb_status(ctb["ranks"], ctb["tasks"], ctb)
         m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import OmegaConf
 from verl.checkpoint_engine import CheckpointEngineManager
-from verl.trainer.config import HybridRolloutSwitchConfig
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
@@ -40,7 +39,7 @@ from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
-from verl_tide.trainer import boundary, checkpoint, elastic_setup, verl_compat
+from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
 from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text
@@ -71,11 +70,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.readiness = ReadinessTracker(clock=self.clock)
         self.ledger = GoodputLedger(clock=self.clock)
         self.stage_timer = StageTimer()
-        self._enable_hybrid_replicas = False  # rollout only on its own ranks
+        # rollout on its own ranks, and with tide.ers.lend_actor on the Actor's GPUs too (lending.py)
+        self._enable_hybrid_replicas = self.tide_config.ers.lend_actor
         verl_compat.init_without_separate_async(self, config)
         self.parameter_sync_step = int(config.data.train_batch_size) // int(
             config.actor_rollout_ref.actor.ppo_mini_batch_size)
-        self.hybrid_rollout_config = HybridRolloutSwitchConfig(enable_switch=False)
+        lending.check(self._enable_hybrid_replicas, bool(self.use_reference_policy))
+        self.hybrid_rollout_config = lending.switch_config(config, self._enable_hybrid_replicas)
+        if self._enable_hybrid_replicas:
+            self._init_hybrid_rollout_state()
         self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
                                              ideal_batch(self.tide_config, config))
         self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
@@ -169,7 +172,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         from verl_tide.rollout_restart import RankRestarts
 
         rollout_config = self.config.actor_rollout_ref.rollout
-        manager = LLMServerManager.create(config=self.config, start_rank=0, load_balancer_cls=self._ctb_balancer_cls())
+        manager = LLMServerManager.create(config=self.config, start_rank=len(self.llm_server_manager.get_replicas()),
+                                          load_balancer_cls=self._ctb_balancer_cls())
         self.standalone_server_manager = manager
         if rollout_config.prometheus.enable:
             update_prometheus_config(rollout_config.prometheus, manager.server_addresses, rollout_config.name)
@@ -177,6 +181,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             config=omega_conf_to_dataclass(rollout_config.checkpoint_engine), actor_wg=self.actor_rollout_wg,
             replicas=manager.get_replicas())
         self.current_mode = HybridEngineMode.TRAINER
+        if self._enable_hybrid_replicas:  # lent from the start: the cold start is the first wait
+            self.current_mode = HybridEngineMode.ROLLOUT
+            self.add_replicas_to_balancer()
         balancer = verl_compat.load_balancer(manager)
         restarts = RankRestarts(balancer, self.standalone_checkpoint_manager, self.tide_config.max_rank_restarts)
         self.health = RankHealth(manager, self.standalone_checkpoint_manager, self.tide_config.ctb.enabled, restarts)
@@ -407,6 +414,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})
         m.update(self.ref.handoff_counters)
         m.update(self.report.ctb_metrics())
+        if self._enable_hybrid_replicas:
+            m["tide/ers/actor_lent_turns"] = lending.lent_turns(self.report.turns_served,
+                                                                self.llm_server_manager.server_addresses)
         m.update(self.report.engine_hit_rates(self.quarantined))
         return m, plan, signals
 

@@ -1,0 +1,100 @@
+"""ERS lends the Actor's GPU to rollout (`tide.ers.lend_actor=true`, issue 27's first part), end to end.
+
+`+tide=enabled` on the CPU test bed with the demo's environment (tiny_slow, heavy-tailed latency): verl's hybrid
+replica beside the Actor rolls out from the start (the cold start) until the step's groups are ready, then
+sleeps while the Actor trains, and comes back when verl's switch says the wait is worth it; CTB routes to it
+while it is lent; the abort at each switch loses nothing. The unit parts: tests/test_trainer_units.py.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.request
+
+import pytest
+
+from verl_tide.core.config import TideConfigError
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, spawn_env_service, \
+    tide_overrides, with_overrides
+from verl_tide.testing.tiny_model import write_env_task_parquet
+from verl_tide.trainer import lending
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def lend_run(tiny_model_path, tmp_path_factory):
+    data = tmp_path_factory.mktemp("lend_data")
+    train = write_env_task_parquet(data / "train.parquet", 24, env="tiny_slow")
+    val = write_env_task_parquet(data / "val.parquet", 2, env="tiny_slow", seed=100)
+    job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=2,
+                  steps=STEPS, prompt_length=128, response_length=96, ppo_mini_batch_size=2)
+    work = tmp_path_factory.mktemp("lend_run")
+    proc, url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
+    try:
+        overrides = with_overrides(grpo_overrides(job), [
+            *tide_overrides(job), "tide.ers.lend_actor=true",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+            f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=2"])
+        run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            health = json.load(r)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    return run, parse_step_metrics(run.output), health
+
+
+@pytest.mark.testbed
+def test_the_actors_replica_rolls_out_through_the_cold_start_then_trains(lend_run):
+    run, steps, _ = lend_run
+    assert run.returncode == 0, run.output[-6000:]
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    first = steps[1]
+    # Before step 1's update the Actor's GPU served turns (CTB routed to it) while the trainer waited for ready
+    # groups; then it switched to training (verl's abort + sleep, timed).
+    assert first["tide/ers/actor_lent_turns"] > 0, first
+    assert first["timing_s/switch_wait"] > 0 and first["timing_s/switch_to_trainer"] > 0, first
+    assert "Lending hybrid engine to generation until" in run.output
+    for n in steps:
+        assert steps[n]["timing_s/update_actor"] > 0  # and the Actor trained every step
+        assert steps[n]["tide/ers/ranks_rollout"] == 1  # the lent replica is not one of ERS's rollout ranks
+    lent = [steps[n]["tide/ers/actor_lent_turns"] for n in sorted(steps)]
+    assert lent == sorted(lent)  # cumulative
+
+
+@pytest.mark.testbed
+def test_an_evaluation_borrows_the_actors_gpu_back_for_rollout(lend_run):
+    """trainer.test_freq=2: the validation after step 2 switches the hybrid replica to rollout if it was
+    training (verl's on_validate_begin), so the evaluation and the next step's rollout have it."""
+    run, steps, _ = lend_run
+    assert "tide/eval/model_step" in steps[3] or any(k.startswith("val-core/") for k in steps[STEPS]), steps[STEPS]
+    switched_for_eval = "Switching hybrid engine to rollout mode for validation" in run.output
+    switched_after_update = any(steps[n].get("separate_async/decision/should_switch_to_rollout") == 1.0
+                                for n in (1, 2))
+    assert switched_for_eval or switched_after_update, run.output[-3000:]
+    assert steps[3]["tide/ers/actor_lent_turns"] > steps[1]["tide/ers/actor_lent_turns"]
+
+
+@pytest.mark.testbed
+def test_nothing_is_lost_at_the_switches(lend_run):
+    run, steps, health = lend_run
+    for n in sorted(steps):
+        m = steps[n]
+        settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                            "dropped_failed"))
+        assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
+        assert m["tide/ledger/groups_dropped_failed"] == 0, m  # an aborted turn resumed elsewhere, not failed
+        assert m["tide/ctb/bypassed"] == 0, m
+    # every episode the job started ended, or is still open (in flight when the job stopped)
+    assert health["started"] == health["ended"] + health["sessions"] and health["close_failed"] == 0, health
+    assert "WARNING: " not in "\n".join(line for line in run.output.splitlines() if "verl-tide step" in line)
+
+
+def test_lending_with_a_ref_model_is_refused_naming_the_key():
+    with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with a Ref model"):
+        lending.check(True, use_reference_policy=True)
+    lending.check(True, use_reference_policy=False)
+    lending.check(False, use_reference_policy=True)
+    assert lending.lent_turns({"a": 3, "b": 4, "c": 1}, ["a", "c", "z"]) == 4.0

@@ -1,0 +1,45 @@
+"""ERS lends the Actor's GPUs to rollout (issue 27, first part): verl's hybrid replicas on the trainer's GPUs.
+
+Why: the Actor's GPUs have nothing to train until a step's first mini-batch is ready: the cold start, the
+waits inside steps that start with too little ready data, evaluations. verl's `separate_async` already
+builds a rollout replica beside the Actor (its hybrid engine: weights and KV cache asleep while the Actor
+trains) and switches it: rollout until `switch_threshold_ratio` of the step's prompts are ready, then abort
+(partial rollouts resume elsewhere), sleep, train; back to rollout after the update when the expected wait
+exceeds the measured switch cost. Trainer `tide` keeps that mechanism and its decision; CTB routes to the
+replica while it is lent (it joins and leaves CTB's pool like an elastic rank, its tasks re-dispatched).
+Not yet: ERS's own readiness signals deciding the switch, and jobs with a Ref model (the replica sits in
+verl's combined actor/rollout/ref worker, beside which RA2P's Ref paths are not built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping
+
+from verl_tide.core.config import TideConfigError
+
+
+def switch_config(config: Any, lend: bool) -> Any:
+    """verl's hybrid-switch settings (`trainer.v1.separate_async.hybrid_rollout`), switched on when lending."""
+    from verl.trainer.config import HybridRolloutSwitchConfig
+    from verl.utils.config import omega_conf_to_dataclass
+
+    if not lend:
+        return HybridRolloutSwitchConfig(enable_switch=False)
+    block = config.trainer.v1.get("separate_async", {}).get("hybrid_rollout", None)
+    base = omega_conf_to_dataclass(block) if block is not None else HybridRolloutSwitchConfig()
+    return replace(base, enable_switch=True)
+
+
+def check(lend: bool, use_reference_policy: bool) -> None:
+    if lend and use_reference_policy:
+        raise TideConfigError([
+            "tide.ers.lend_actor = true with a Ref model (actor_rollout_ref.actor.use_kl_loss or "
+            "algorithm.use_kl_in_reward): not built yet (the lent replica would share verl's combined "
+            "actor/rollout/ref worker with the Ref, beside which RA2P's Ref paths are not built); set "
+            "tide.ers.lend_actor = false"])
+
+
+def lent_turns(turns_served: Mapping[str, int], actor_servers: list[str]) -> float:
+    """Turns CTB routed to the replicas on the Actor's GPUs since the job started."""
+    return float(sum(turns_served.get(s, 0) for s in actor_servers))
