@@ -30,9 +30,9 @@ test: venv openenv-venv
 test-fast: venv
 	$(PY) -m pytest -ra -m "not testbed and not verl_process and not openenv" $(PYTEST_ARGS)
 
-## One multi-turn GRPO job on CPU, stock verl vs `+tide=enabled`: goodputs, their ratio, reward curves.
+## The demo's multi-turn GRPO job on CPU under every stock verl mode and `+tide=enabled`, one wall clock (~35 min).
 demo: venv
-	$(PY) -m verl_tide.testing.demo --workdir outputs/demo --json outputs/demo/demo.json
+	$(PY) benchmarks/e2e_compare.py --workdir outputs/demo --json outputs/demo/compare.json
 
 ## Simulated cluster: stock verl baselines vs TideRL on every preset workload, 32 GPUs (~1 min).
 bench: venv
