@@ -14,32 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from verl_tide.testing.compare import REWARD, best_stock, is_tide, job_overrides, systems, wall_clock_summary
 from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
-from verl_tide.testing.testbed import GRPOJob, run_main_ppo, spawn_env_service
+from verl_tide.testing.testbed import GRPOJob, run_with_env_service
 
 
 def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float) -> dict:
-    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=latency_scale)
-    agent = env_agent_overrides(env_url)
     lines: list[tuple[float, str]] = []
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
-    try:
-        started = time.time()
-        run = run_main_ppo(job_overrides(job, system, agent), cwd=work, log_path=work / f"{slug}.log",
-                           timeout_s=timeout_s, on_line=lambda line: lines.append((time.time(), line)))
-        with urllib.request.urlopen(env_url + "/health", timeout=10) as r:
-            health = json.load(r)
-    finally:
-        env_proc.send_signal(signal.SIGTERM)
-        env_proc.communicate(timeout=30)
+    started = time.time()
+    run, health = run_with_env_service(
+        lambda url: job_overrides(job, system, env_agent_overrides(url)), work, latency_scale=latency_scale,
+        timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=lambda line: lines.append((time.time(), line)))
     if run.returncode != 0:
         return {"returncode": run.returncode, "error": run.output[-3000:]}
     summary = wall_clock_summary(lines, started, health.get("first_start_unix"))

@@ -8,14 +8,10 @@ while it is lent; the abort at each switch loses nothing. The unit parts: tests/
 
 from __future__ import annotations
 
-import json
-import signal
-import urllib.request
-
 import pytest
 
 from verl_tide.core.config import TideConfigError
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, spawn_env_service, \
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_with_env_service, \
     tide_overrides, with_overrides
 from verl_tide.testing.tiny_model import write_env_task_parquet
 from verl_tide.trainer import lending
@@ -31,18 +27,11 @@ def lend_run(tiny_model_path, tmp_path_factory):
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=2,
                   steps=STEPS, prompt_length=128, response_length=96, ppo_mini_batch_size=2)
     work = tmp_path_factory.mktemp("lend_run")
-    proc, url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
-    try:
-        overrides = with_overrides(grpo_overrides(job), [
-            *tide_overrides(job), "tide.ers.lend_actor=true",
-            "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-            f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=2"])
-        run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-        with urllib.request.urlopen(url + "/health", timeout=10) as r:
-            health = json.load(r)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.communicate(timeout=30)
+    run, health = run_with_env_service(lambda url: with_overrides(grpo_overrides(job), [
+        *tide_overrides(job), "tide.ers.lend_actor=true",
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=2"]),
+        work, latency_scale=1.0, log_path=work / "main_ppo.log")
     return run, parse_step_metrics(run.output), health
 
 

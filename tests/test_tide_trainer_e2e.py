@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, spawn_env_service, \
-    tide_overrides, with_overrides
+from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo, \
+    run_with_env_service, spawn_env_service, tide_overrides, with_overrides
 from verl_tide.testing.tiny_model import write_env_task_parquet
 
 pytestmark = pytest.mark.testbed
@@ -366,29 +366,16 @@ def test_ref_on_elastic_ranks_only_starts_on_the_highest_rollout_rank(job, tmp_p
     the current version, and that wait is counted as trainer wait time. The environment is one this repository
     did not write: Gymnasium's FrozenLake, served through the adapter (`verl-tide env serve --gym`); every
     episode the job started was ended."""
-    import json
-    import signal
-    import urllib.request
-
     work = tmp_path_factory.mktemp("tide_ers_only")
     train = write_env_task_parquet(work / "train.parquet", 24, env="FrozenLake-v1")
     val = write_env_task_parquet(work / "val.parquet", 2, env="FrozenLake-v1", seed=100)
     kl_job = GRPOJob(**{**_ers_job(job).__dict__, "steps": 2, "train_file": str(train), "val_file": str(val)})
-    env_proc, env_service_url = spawn_env_service(
-        "--session-timeout", "600", "--gym", "FrozenLake-v1", "--gym-kwargs", '{"is_slippery": false}',
-        "--gym-actions", "left,down,right,up")
-    try:
-        overrides = with_overrides(grpo_overrides(kl_job), [
-            *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-            f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
-            "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.max_staleness=0",
-            "tide.staleness_strategy=wait"])
-        run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=600)
-        with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
-            health = json.load(r)
-    finally:
-        env_proc.send_signal(signal.SIGTERM)
-        env_proc.communicate(timeout=30)
+    run, health = run_with_env_service(lambda env_service_url: with_overrides(grpo_overrides(kl_job), [
+        *tide_overrides(kl_job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
+        "tide.ra2p.mode=decoupled", "tide.ers.min_ref_ranks=1", "tide.max_staleness=0",
+        "tide.staleness_strategy=wait"]), work, "--gym", "FrozenLake-v1", "--gym-kwargs", '{"is_slippery": false}',
+        "--gym-actions", "left,down,right,up", timeout_s=600, log_path=work / "main_ppo.log")
     assert run.returncode == 0, run.output[-6000:]
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == [1, 2], run.output[-3000:]

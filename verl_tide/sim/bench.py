@@ -248,33 +248,32 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: str) -> None:
-    """Goodput and waits per system as a PNG (Pillow only; no matplotlib needed)."""
-    from PIL import Image, ImageDraw
+    """Goodput and waits per system (matplotlib, headless): goodput bars against the oracle bound, and each
+    system's rollout and trainer waits stacked."""
+    import matplotlib
 
-    systems = list(report["systems"].items())
-    width, height, left, bar_h = 900, 110 + 60 * len(systems), 170, 18
-    img = Image.new("RGB", (width, height), "white")
-    d = ImageDraw.Draw(img)
-    d.text((10, 10), f"verl-tide bench: {report['workload']}, {report['gpus']} x {report['hardware']} (simulated)",
-           fill="black")
-    top = max(report["oracle_goodput_tok_s"], *(r["goodput_tok_s"] for _, r in systems))
-    waits = max(1.0, *(r["rwt_s"] + r["twt_s"] for _, r in systems))
-    span = width - left - 30
-    for i, (name, row) in enumerate(systems):
-        y = 50 + i * 60
-        d.text((10, y + 2), name, fill="black")
-        w1 = span * row["goodput_tok_s"] / top
-        d.rectangle([left, y, left + w1, y + bar_h], fill=(40, 110, 200))
-        d.text((left + w1 + 4, y + 2), f"{row['goodput_tok_s']:.0f} tok/s", fill="black")
-        wr, wt = 0.7 * span * row["rwt_s"] / waits, 0.7 * span * row["twt_s"] / waits  # room for the label
-        d.rectangle([left, y + 22, left + wr, y + 22 + bar_h], fill=(230, 140, 40))
-        d.rectangle([left + wr, y + 22, left + wr + wt, y + 22 + bar_h], fill=(200, 60, 60))
-        d.text((left + wr + wt + 4, y + 24), f"RWT {row['rwt_s']:.0f}s + TWT {row['twt_s']:.0f}s", fill="black")
-    x = left + span * report["oracle_goodput_tok_s"] / top
-    d.line([x, 40, x, height - 40], fill=(0, 150, 0), width=2)
-    d.text((x - 60, height - 35), "oracle bound", fill=(0, 150, 0))
-    d.text((10, height - 20), "blue: goodput   orange: rollout wait (RWT)   red: trainer wait (TWT)", fill="black")
-    img.save(path)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["systems"])
+    rows = [report["systems"][n] for n in names]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.45 * len(names) + 1.8), sharey=True)
+    ys = range(len(names))
+    left.barh(ys, [r["goodput_tok_s"] for r in rows], color="#1f77b4")
+    left.axvline(report["oracle_goodput_tok_s"], color="green", linestyle="--", label="oracle bound")
+    left.set_yticks(list(ys), names, fontsize=8)
+    left.invert_yaxis()
+    left.set_xlabel("goodput, tok/s")
+    left.legend(fontsize=8)
+    rwt, twt = [r["rwt_s"] for r in rows], [r["twt_s"] for r in rows]
+    right.barh(ys, rwt, color="#ff7f0e", label="rollout wait (RWT)")
+    right.barh(ys, twt, left=rwt, color="#d62728", label="trainer wait (TWT)")
+    right.set_xlabel("seconds")
+    right.legend(fontsize=8)
+    fig.suptitle(f"verl-tide bench: {report['workload']}, {report['gpus']} x {report['hardware']} (simulated)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional[str], seed: int,

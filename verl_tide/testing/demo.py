@@ -68,40 +68,25 @@ def goodput(steps: dict[int, dict[str, float]]) -> dict[str, float]:
 
 
 def plot_rewards(curves: dict[str, list[tuple[float, float]]], path: Path, title: str, xlabel: str = "step") -> None:
-    """A small line chart (Pillow only: no plotting library in the test bed's lock)."""
-    from PIL import Image, ImageDraw
+    """Reward curves, one line per system (matplotlib, headless)."""
+    import matplotlib
 
-    w, h, pad = 640, 400, 50
-    img = Image.new("RGB", (w, h), "white")
-    d = ImageDraw.Draw(img)
-    pts = [p for c in curves.values() for p in c]
-    if not pts:
-        img.save(path)
-        return
-    x0, x1 = min(p[0] for p in pts), max(max(p[0] for p in pts), min(p[0] for p in pts) + 1)
-    y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
-    y0, y1 = (y0 - 0.05, y1 + 0.05) if y1 - y0 < 0.1 else (y0, y1)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    def xy(x: float, y: float) -> tuple[float, float]:
-        return (pad + (x - x0) / (x1 - x0) * (w - 2 * pad), h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad))
-
-    d.rectangle([pad, pad, w - pad, h - pad], outline="black")
-    d.text((pad, 15), title, fill="black")
-    d.text((w // 2 - 20, h - pad + 25), xlabel, fill="black")
-    d.text((5, pad - 15), f"{y1:.3f}", fill="black")
-    d.text((5, h - pad - 5), f"{y0:.3f}", fill="black")
-    tick = max(1, round((x1 - x0) / 10))  # about ten labels, whatever the axis
-    for x in range(int(x0), int(x1) + 1, tick):
-        d.text((xy(x, y0)[0] - 3, h - pad + 5), str(x), fill="black")
-    for i, (name, curve) in enumerate(curves.items()):
-        color = ("#1f77b4", "#d62728", "#2ca02c")[i % 3]
-        line = [xy(x, y) for x, y in sorted(curve)]
-        if len(line) > 1:
-            d.line(line, fill=color, width=3)
-        for px, py in line:
-            d.ellipse([px - 4, py - 4, px + 4, py + 4], fill=color)
-        d.text((w - pad - 120, pad + 10 + 15 * i), f"-- {name}", fill=color)
-    img.save(path)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, curve in curves.items():
+        xs, ys = zip(*sorted(curve)) if curve else ((), ())
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("reward")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:

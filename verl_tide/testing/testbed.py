@@ -230,6 +230,27 @@ def spawn_env_service(*extra_args: str, latency_scale: float = 0.0, python: str 
     return proc, f"http://127.0.0.1:{port}"
 
 
+def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path, *env_args: str,
+                         latency_scale: float = 0.0, timeout_s: float = 900.0, log_path: str | Path | None = None,
+                         on_line: Callable[[str], None] | None = None) -> tuple[RunResult, dict]:
+    """A `main_ppo` job against its own environment service (`verl-tide env serve --session-timeout 600
+    *env_args`): `overrides(url)` builds the job's overrides; returns the run and the service's /health after it
+    (sessions started, ended, open, `first_start_unix`); the service is stopped either way."""
+    import json
+    import signal
+    import urllib.request
+
+    proc, url = spawn_env_service("--session-timeout", "600", *env_args, latency_scale=latency_scale)
+    try:
+        run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line)
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            health = json.load(r)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    return run, health
+
+
 def free_port() -> int:
     """A loopback port nobody holds right now."""
     import socket
