@@ -43,6 +43,9 @@ from verl_tide.core.request_ids import trajectory_request_id
 from verl_tide.engine_metrics import EngineMetrics
 
 
+MAX_MODEL_LEN = 4096  # a trajectory's context at most: 600 + 8 turns x (48 + 200) = 2,584 tokens
+
+
 @dataclass(frozen=True)
 class Workload:
     groups: int = 16
@@ -85,8 +88,11 @@ def plan_tasks(w: Workload, vocab: int, salt: int) -> list[TaskPlan]:
 
 # ---- engine -------------------------------------------------------------------------------------
 def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path,
-               dtype: str = "float32") -> subprocess.Popen:
+               dtype: str = "float32", threads: int = 0) -> subprocess.Popen:
+    # Engines share the machine's cores: more OpenMP threads than cores makes every engine spin-wait on the others
+    threads = threads or max(1, os.cpu_count() or 1)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "OMP_NUM_THREADS": str(threads),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),
@@ -209,7 +215,9 @@ class Engines:
         for i in range(n):
             port = base_port + i
             log = work / f"vllm_{blocks}blocks_{i}.log"
-            self.procs.append(start_vllm(model, port, blocks, 8192, log, dtype))
+            # below the KV cache's own size (vLLM refuses an engine that cannot hold one max-length request)
+            self.procs.append(start_vllm(model, port, blocks, MAX_MODEL_LEN, log, dtype,
+                                         threads=max(1, (os.cpu_count() or 1) // n)))
             self.servers[f"127.0.0.1:{port}"] = f"http://127.0.0.1:{port}"  # CTB reads /metrics at the id
 
     def __enter__(self) -> dict[str, str]:
@@ -255,6 +263,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.engines < 1 or args.repeats < 1:
         ap.error("--engines and --repeats must be >= 1")
     w = replace(Workload(), groups=args.groups, group_size=args.group_size, max_turns=args.max_turns, seed=args.seed)
+    longest = w.prompt_tokens + w.max_turns * (w.gen_tokens + w.observation_tokens)
+    if longest > MAX_MODEL_LEN or args.num_blocks * 128 <= MAX_MODEL_LEN:
+        ap.error(f"--max-turns {w.max_turns}: a trajectory reaches {longest} tokens; --num-blocks {args.num_blocks} "
+                 f"holds {args.num_blocks * 128}; both must fit the engines' max_model_len {MAX_MODEL_LEN} (blocks: "
+                 "above it)")
 
     from verl_tide.testing.tiny_model import TinyModelSpec, build_tiny_model
 
