@@ -33,6 +33,7 @@ from verl_tide.core.config import parse_tide_config
 from verl_tide.core.request_ids import group_of, is_eval_request
 from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.ctb.router_metrics import RouterMetrics
 from verl_tide.engine_metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -97,13 +98,13 @@ class CTBLoadBalancer:
         self.turns_served: dict[str, int] = {}  # server id -> turns routed to it, kept after it leaves the pool
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
-        self.metrics_url: Optional[str] = None
-        self._metrics_refresh: Any = None
+        self.metrics: Optional[RouterMetrics] = None
         self._metrics_task: Optional[asyncio.Task] = None
         metrics_cfg = dict(config.get("metrics") or {})
         if metrics_cfg.get("enabled"):
-            self._start_metrics(str(metrics_cfg.get("host", "127.0.0.1")), int(metrics_cfg.get("port", 0)),
-                                float(metrics_cfg.get("interval_s", 5.0)))
+            self.metrics = RouterMetrics(str(metrics_cfg.get("host", "127.0.0.1")), int(metrics_cfg.get("port", 0)),
+                                         float(metrics_cfg.get("interval_s", 5.0)), lambda: self.gate.scheduler,
+                                         lambda: list(self.servers), self.backend)
 
     @classmethod
     def with_config(cls, config: Mapping[str, Any]) -> type:
@@ -317,43 +318,13 @@ class CTBLoadBalancer:
                 self.counters[key] = int(value)
 
     def get_metrics_url(self) -> Optional[str]:
-        return self.metrics_url
+        return self.metrics.url if self.metrics is not None else None
 
     # ---- helpers ---------------------------------------------------------------------------
-    def _start_metrics(self, host: str, port: int, interval_s: float) -> None:
-        """Serve Prometheus `/metrics` (CTB per-rank tokens and budgets, task states, decisions,
-        outcomes, and each engine's prefix-cache hit rate since start-up), refreshed every interval."""
-        from verl_tide.engine_metrics import prefix_hit_rate
-        from verl_tide.metrics import TideMetrics
-
-        self._metrics, server = TideMetrics.start(host, port, who="CTB router")
-        self.metrics_url = f"http://{host}:{server.server_address[1]}/metrics"
-        first: dict[str, EngineMetrics] = {}
-
-        def scrape_engines() -> dict[str, float]:
-            rates = {}
-            for sid in list(self.servers):
-                try:
-                    now = EngineMetrics.scrape(f"http://{sid}", self.backend, timeout_s=5)
-                except (OSError, ValueError):
-                    continue
-                rates[sid] = prefix_hit_rate(first.setdefault(sid, now), now)
-            return rates
-
-        async def refresh() -> None:
-            while True:
-                self._metrics.update_from_ctb(self.gate.scheduler)
-                rates = await asyncio.get_running_loop().run_in_executor(None, scrape_engines)
-                self._metrics.update_hit_rates(rates)
-                await asyncio.sleep(interval_s)
-
-        self._metrics_refresh = refresh
-        self._metrics.update_from_ctb(self.gate.scheduler)
-
     def _ensure_metrics_task(self) -> None:
         # Started from the first request: Ray builds actors outside their event loop.
-        if self._metrics_refresh is not None and self._metrics_task is None:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._metrics_refresh())
+        if self.metrics is not None and self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self.metrics.refresh_forever())
 
     def _account_clocks(self) -> None:
         """Close the interval since the last event (nothing changes between events): ranks with nothing in flight
