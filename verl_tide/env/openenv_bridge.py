@@ -118,6 +118,7 @@ class OpenEnvEnvironment(Environment):
     def _text(self, data: dict[str, Any]) -> str:
         return observation_text(data.get("observation") or {}, self.spec.observation_field, where=self.spec.url)
 
+
 def register_openenv_environment(url: str, *, name: str = "openenv", action_field: str = "message",
                                  observation_field: Optional[str] = None, max_turns: int = 50,
                                  timeout_s: float = 60.0) -> str:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import Role
+from verl_tide.trainer.lending import lent_turns
 from verl_tide.trainer.verl_compat import load_balancer
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ class RolloutReport:
     def __init__(self, pool: Any, backend: str, ctb_enabled: bool, exporter: Optional[Any] = None):
         self.pool, self.backend, self.ctb_enabled, self.exporter = pool, backend, ctb_enabled, exporter
         self._engine_scrapes: dict[str, Any] = {}
-        self.turns_served: dict[str, int] = {}  # per server, from CTB's last status (lending counts the Actor's)
 
     def _router(self) -> Any:
         return load_balancer(self.pool)
@@ -71,8 +71,9 @@ class RolloutReport:
                                      kv_wait_s=float(now["kv_wait_s"]),
                                      generating_token_s=float(now["generating_token_s"]))
 
-    def ctb_metrics(self) -> dict[str, float]:
-        """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor."""
+    def ctb_metrics(self, actor_servers: Sequence[str] = ()) -> dict[str, float]:
+        """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor; with
+        `actor_servers` (the replicas on the Actor's GPUs, when lent), the turns CTB routed to them."""
         if not self.ctb_enabled:
             return {}
         import ray
@@ -83,7 +84,6 @@ class RolloutReport:
             logger.warning("verl-tide: could not read CTB status: %s", e)
             return {}
         ctb = status["ctb"]
-        self.turns_served = dict(status.get("turns_served", {}))
         if self.exporter is not None:
             self.exporter.update_from_ctb_status(ctb["ranks"], ctb["tasks"], ctb)
         m = {f"tide/ctb/{k}": float(v) for k, v in ctb.items() if isinstance(v, (int, float))}
@@ -91,6 +91,8 @@ class RolloutReport:
         m["tide/ctb/ranks"] = float(len(ctb["ranks"]))
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
+        if actor_servers:
+            m["tide/ers/actor_lent_turns"] = lent_turns(status.get("turns_served", {}), actor_servers)
         return m
 
     def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:

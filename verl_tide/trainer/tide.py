@@ -10,6 +10,8 @@ TransferQueue as soon as it is ready, and pushes weights to every rollout rank a
 - `verl_tide.core.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
   the next step and ERS's plan, from the readiness signals and the measured stage times;
 - `rank_health.RankHealth`: quarantine and relaunch of rollout ranks, a weight sync that survives a death;
+- `rollout_pool.py`: the standalone rollout pool built at start-up (CTB's router, its checkpoint engine, rank
+  health, elastic ranks); `lending.py`: the Actor's GPUs rolling out (`tide.ers.lend_actor`);
 - `checkpoint.py`: tide's state beside verl's checkpoint; `reporting.py`: what each step logs;
 - `verl_compat.py`: every reach into verl beyond its hooks, each naming the verl version.
 CTB runs inside the rollout pool as its load balancer (`ctb/router.py`); evaluation overlaps the next step's
@@ -22,14 +24,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from omegaconf import OmegaConf
-from verl.checkpoint_engine import CheckpointEngineManager
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
-from verl.utils.config import omega_conf_to_dataclass
-from verl.workers.rollout.llm_server import LLMServerManager
-from verl.workers.rollout.utils import update_prometheus_config
 
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.core.ledger import GoodputLedger, Outcome
@@ -39,7 +36,7 @@ from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
-from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, verl_compat
+from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
 from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text
@@ -167,50 +164,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.report.exporter = self.advice.exporter = self.exporter
 
     def _start_rollout_pool(self) -> None:
-        """The standalone rollout pool with CTB as its load balancer, its checkpoint engine, rank health, and
-        ERS's elastic ranks (with tide's Ref pool)."""
-        from verl_tide.rollout_restart import RankRestarts
-
-        rollout_config = self.config.actor_rollout_ref.rollout
-        manager = LLMServerManager.create(config=self.config, start_rank=len(self.llm_server_manager.get_replicas()),
-                                          load_balancer_cls=self._ctb_balancer_cls())
-        self.standalone_server_manager = manager
-        if rollout_config.prometheus.enable:
-            update_prometheus_config(rollout_config.prometheus, manager.server_addresses, rollout_config.name)
-        self.standalone_checkpoint_manager = CheckpointEngineManager(
-            config=omega_conf_to_dataclass(rollout_config.checkpoint_engine), actor_wg=self.actor_rollout_wg,
-            replicas=manager.get_replicas())
+        pool = rollout_pool.build(self.config, self.tide_config, self.actor_rollout_wg,
+                                  len(self.llm_server_manager.get_replicas()), self.ref.pool)
+        # verl's separate_async reads the first two under these names (weight sync, hybrid switch)
+        self.standalone_server_manager, self.standalone_checkpoint_manager = pool.manager, pool.checkpoint_manager
+        self.health, self.report, self.rollout_roles, self.elastic = pool.health, pool.report, pool.roles, pool.elastic
         self.current_mode = HybridEngineMode.TRAINER
         if self._enable_hybrid_replicas:  # lent from the start: the cold start is the first wait
             self.current_mode = HybridEngineMode.ROLLOUT
             self.add_replicas_to_balancer()
-        balancer = verl_compat.load_balancer(manager)
-        restarts = RankRestarts(balancer, self.standalone_checkpoint_manager, self.tide_config.max_rank_restarts)
-        self.health = RankHealth(manager, self.standalone_checkpoint_manager, self.tide_config.ctb.enabled, restarts)
-        self.report = RolloutReport(manager, str(rollout_config.name), self.tide_config.ctb.enabled)
-        from verl_tide.ctb.agent_loops import warn_about_stock_agent_loop
-
-        warn_about_stock_agent_loop(rollout_config.agent.get("default_agent_loop"), self.tide_config.ctb.enabled)
-        self.rollout_roles = {rank: Role.ROLLOUT for rank in range(len(manager.get_replicas()))}
-        if self.ref.pool is not None and self.tide_config.ers.enabled:
-            from verl_tide.ers.elastic import ElasticRanks
-
-            self.elastic = ElasticRanks(manager.get_replicas(), balancer, self.standalone_checkpoint_manager,
-                                        self.ref.pool, elastic_setup.elastic_ref_options)
-            if not rollout_config.free_cache_engine:
-                print("verl-tide: elastic ranks on; actor_rollout_ref.rollout.free_cache_engine = false keeps a Ref-role "
-                      "rank's KV cache allocated beside its Ref replica (set it true on GPUs)", flush=True)
-
-    def _ctb_balancer_cls(self) -> Optional[type]:
-        if not self.tide_config.ctb.enabled:
-            return None
-        from verl_tide.ctb.router import CTBLoadBalancer
-
-        rollout = self.config.actor_rollout_ref.rollout
-        return CTBLoadBalancer.with_config({
-            "ctb": OmegaConf.to_container(self.config.tide.ctb, resolve=True), "backend": rollout.name,
-            "group_size": int(rollout.get("n", 1) or 1),
-            "eval_group_size": int(rollout.get("val_kwargs", {}).get("n", 1) or 1)})
 
     def _start_elastic_ref_ranks(self) -> None:
         moves = elastic_setup.initial_ref_moves(self.tide_config, self.rollout_roles)
@@ -413,10 +375,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})
         m.update(self.ref.handoff_counters)
-        m.update(self.report.ctb_metrics())
-        if self._enable_hybrid_replicas:
-            m["tide/ers/actor_lent_turns"] = lending.lent_turns(self.report.turns_served,
-                                                                self.llm_server_manager.server_addresses)
+        m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
         m.update(self.report.engine_hit_rates(self.quarantined))
         return m, plan, signals
 
