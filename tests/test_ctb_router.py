@@ -181,6 +181,22 @@ async def test_busy_seconds_count_the_time_a_rank_has_any_request_in_flight():
     assert lb.busy_seconds() == {sid_a: pytest.approx(4.0)}
 
 
+def test_pool_seconds_add_up_every_spell_a_lent_replica_is_in_the_pool():
+    """The Actor's replica joins and leaves CTB's pool at each switch; its seconds in the pool are kept after it
+    leaves (ERS's `tide/ers/actor_lent_s`)."""
+    lb = _lb()
+    now = [10.0]
+    lb.clock = lambda: now[0]
+    lb.add_servers({"actor": "h"})
+    now[0] = 13.0
+    lb.remove_servers(["actor"])
+    now[0] = 20.0
+    assert lb.pool_seconds()["actor"] == pytest.approx(3.0)  # gone, not counting
+    lb.add_servers({"actor": "h"})
+    now[0] = 21.5
+    assert lb.get_status()["pool_s"]["actor"] == pytest.approx(4.5)  # the open spell too
+
+
 async def test_idle_rank_seconds_count_ranks_out_of_work_not_ranks_whose_tasks_wait_for_admission():
     lb = _lb()
     now = [0.0]

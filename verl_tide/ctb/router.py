@@ -96,6 +96,8 @@ class CTBLoadBalancer:
         self.quarantined: dict[str, str] = {}  # server id -> why
         self._assigned: dict[str, str] = {}  # request id -> the rank of its latest turn
         self.turns_served: dict[str, int] = {}  # server id -> turns routed to it, kept after it leaves the pool
+        self._pool_s: dict[str, float] = {}  # server id -> seconds it was in the pool (closed spells), kept after
+        self._joined_at: dict[str, float] = {}  # server id in the pool -> since when
         self.gate = TurnGate(CTBScheduler(self.ctb_config, {}), on_pause=self._env_pause, on_resume=self._env_resume)
         self.add_servers(dict(servers))
         self.metrics: Optional[RouterMetrics] = None
@@ -214,6 +216,7 @@ class CTBLoadBalancer:
                                  "kv_capacity_tokens in the router YAML")
             self.servers[sid], self.inflight[sid] = handle, 0
             self._busy_s.setdefault(sid, 0.0)
+            self._joined_at.setdefault(sid, self.clock())
             self.gate.add_rank(sid, int(capacity))
 
     def remove_servers(self, server_ids: list[str]) -> None:
@@ -226,6 +229,9 @@ class CTBLoadBalancer:
                 self.inflight.pop(sid)
                 self._busy_s.pop(sid, None)
                 self._busy_since.pop(sid, None)
+                joined = self._joined_at.pop(sid, None)
+                if joined is not None:
+                    self._pool_s[sid] = self._pool_s.get(sid, 0.0) + self.clock() - joined
         self.bypassed = {r: s for r, s in self.bypassed.items() if s in self.servers}
 
     def quarantine(self, server_ids: list[str], reason: str = "") -> list[str]:
@@ -264,6 +270,15 @@ class CTBLoadBalancer:
         return {sid: self._busy_s.get(sid, 0.0) + (now - self._busy_since[sid] if sid in self._busy_since else 0.0)
                 for sid in self.servers}
 
+    def pool_seconds(self) -> dict[str, float]:
+        """Per server that was ever in the pool, seconds it has been in it (every spell, the open one too): how
+        long a replica that joins and leaves (the Actor's, lent by ERS) served rollout."""
+        now = self.clock()
+        spells = dict(self._pool_s)
+        for sid, joined in self._joined_at.items():
+            spells[sid] = spells.get(sid, 0.0) + now - joined
+        return spells
+
     def idle_rank_seconds(self) -> float:
         """Rank-seconds, since the router started, that ranks had nothing in flight while no task waited for
         admission: the rollout out of work, waiting for the trainer's next prompts (verl refills one batch per
@@ -301,7 +316,7 @@ class CTBLoadBalancer:
             "servers": dict(self.inflight), "total_inflight": self.get_total_inflight(),
             "active_servers": len(self.servers), "busy_s": self.busy_seconds(),
             "idle_rank_s": self.idle_rank_seconds(), "kv_wait_s": self.kv_wait_seconds(),
-            "turns_served": dict(self.turns_served),
+            "turns_served": dict(self.turns_served), "pool_s": self.pool_seconds(),
             "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
                     "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
                     **s.counters, **self.counters},

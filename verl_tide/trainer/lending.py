@@ -43,3 +43,12 @@ def check(lend: bool, use_reference_policy: bool) -> None:
 def lent_turns(turns_served: Mapping[str, int], actor_servers: list[str]) -> float:
     """Turns CTB routed to the replicas on the Actor's GPUs since the job started."""
     return float(sum(turns_served.get(s, 0) for s in actor_servers))
+
+
+def lent_metrics(status: Mapping[str, Any], actor_servers: list[str]) -> dict[str, float]:
+    """From CTB's router status: turns routed to the Actor's replicas, and replica-seconds they spent in CTB's
+    pool (lent), both since the job started. The seconds say the replica was lent whether or not a turn
+    happened to be routed to it in that window (an evaluation that overlaps a step whose data is ready)."""
+    pool_s = status.get("pool_s", {})
+    return {"tide/ers/actor_lent_turns": lent_turns(status.get("turns_served", {}), actor_servers),
+            "tide/ers/actor_lent_s": float(sum(pool_s.get(s, 0.0) for s in actor_servers))}

@@ -16,7 +16,7 @@ from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import Role
-from verl_tide.trainer.lending import lent_turns
+from verl_tide.trainer.lending import lent_metrics
 from verl_tide.trainer.verl_compat import load_balancer
 
 logger = logging.getLogger(__name__)
@@ -73,7 +73,8 @@ class RolloutReport:
 
     def ctb_metrics(self, actor_servers: Sequence[str] = ()) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor; with
-        `actor_servers` (the replicas on the Actor's GPUs, when lent), the turns CTB routed to them."""
+        `actor_servers` (the replicas on the Actor's GPUs, when lent), the turns CTB routed to them and
+        the seconds they were in CTB's pool."""
         if not self.ctb_enabled:
             return {}
         import ray
@@ -92,7 +93,7 @@ class RolloutReport:
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
         if actor_servers:
-            m["tide/ers/actor_lent_turns"] = lent_turns(status.get("turns_served", {}), actor_servers)
+            m.update(lent_metrics(status, actor_servers))
         return m
 
     def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:
