@@ -79,3 +79,35 @@ def test_a_planner_that_decides_differently_does_not_replay(recorded):
         except KeyError:  # it asked for readiness signals the recorded run never computed
             continue
         assert decisions != [rec.decision for rec in trace], change
+
+
+@pytest.fixture(scope="module")
+def recorded_lend():
+    """tide.ers.lend_actor on the tiny workload (evaluations every 3 steps): at every boundary ERS also decides
+    whether the Actor's GPUs roll out until the next step."""
+    from pathlib import Path
+
+    spec = dataclasses.replace(TIDE, lend_actor=True)
+    sim = Simulation(load_workload(str(Path(__file__).parent / "data" / "sim_tiny.yaml")), 8, spec, seed=3)
+    sim.planner.trace = []
+    sim.run()
+    return sim, sim.planner.trace
+
+
+def test_lending_decisions_replay_through_the_trainers_planner_from_the_trainers_inputs(recorded_lend):
+    """One decision path for the Actor's GPUs too: the simulator's lending decisions (lent and kept, with their
+    return thresholds) replay to the same through the trainer's planner, and the trainer's adapter builds the
+    same lending inputs from what a job measures (verl's sampleable count, its switch costs, its update_actor
+    timer over the mini-batches trained)."""
+    from verl_tide.trainer.lending import lending_inputs
+
+    sim, trace = recorded_lend
+    lends = [rec.decision["lend"] for rec in trace]
+    assert all(lend is not None for lend in lends) and {lend[0] for lend in lends} == {True, False}, lends
+    assert replay(_as_trainer_builds_it(sim), trace) == [rec.decision for rec in trace]
+    for rec in trace:
+        sim_in = rec.inputs.lending
+        trained = sim_in.mini_batches
+        built = lending_inputs(sim_in.ready_units, 1, sim_in.mini_batches, sim_in.switch_cost_s,
+                               {"update_actor": sim_in.train_s_per_mini_batch * trained}, trained, last_step=False)
+        assert built == dataclasses.replace(sim_in, train_s_per_mini_batch=pytest.approx(sim_in.train_s_per_mini_batch))

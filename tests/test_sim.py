@@ -119,7 +119,7 @@ def _trajectory_conservation(sim: Simulation) -> None:
     SystemSpec("streamrl_fixed", rollout_ratio=0.5, consume="stream_swap"),
     SystemSpec("verl_async_hybrid", rollout_ratio=0.5, hybrid=True),
     TIDE,
-    replace(TIDE, name="tide_cold_start_lend", cold_start_lend=True),
+    replace(TIDE, name="tide_lend_actor", lend_actor=True),
 ], ids=lambda s: s.name)
 def test_every_system_trains_every_step_and_loses_nothing(spec):
     w = load_workload(TINY)
@@ -130,29 +130,42 @@ def test_every_system_trains_every_step_and_loses_nothing(spec):
     assert r.goodput_tok_s > 0 and 0 <= r.kv_hit_rate <= 1
     _trajectory_conservation(sim)
     assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
-    if spec.hybrid or spec.cold_start_lend:  # the trainer's GPUs rolled out while it waited
+    if spec.hybrid or spec.lend_actor:  # the trainer's GPUs rolled out while it waited
         assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim._retired)
 
 
-def test_cold_start_lend_rolls_out_on_the_actors_gpus_until_the_first_step_only():
-    """What-if of the bench: the Actor's GPUs hold rollout replicas from job start (no switch: verl's hybrid
-    engine comes up in rollout mode) and give them back when the first step can start, never again. Decode-bound
-    (7B, long actions), so the first batch takes longer than the switch back; on the tiny model's 6 s cold start
-    the switch (6.6 s) costs more than the lend gains."""
+def test_lend_actor_rolls_out_on_the_actors_gpus_from_the_start_and_as_ers_decides_after_updates():
+    """tide.ers.lend_actor: the Actor's GPUs hold rollout replicas from job start (no switch: verl's hybrid engine
+    comes up in rollout mode) and give them back when enough is ready; after each update ERS (through the
+    boundary planner) lends them again before an evaluation, or when the expected wait pays for the switch, never
+    after the last step. Decode-bound (7B, long actions), so the first batch takes longer than the switch back."""
     w0 = load_workload(TINY)
     w = replace(w0, eval=replace(w0.eval, groups=0), groups_per_step=64,
                 action_tokens=replace(w0.action_tokens, mean=800, max=1600),
                 model=replace(w0.model, params_b=7.0, kv_bytes_per_token=131072))
     base = Simulation(w, 8, TIDE, seed=3)
-    lend = Simulation(w, 8, replace(TIDE, cold_start_lend=True), seed=3)
+    lend = Simulation(w, 8, replace(TIDE, lend_actor=True), seed=3)
     assert len(lend.ranks) == len(base.ranks)  # before the run: the lend starts with it
     rb, rl = base.run(), lend.run()
     lent = [rr for rr in lend._retired if rr.rank >= 8 - lend.actor_ranks]
-    assert len(lent) == lend.actor_ranks and all(rr.prompt_tokens > 0 for rr in lent)
-    assert all(r < 8 - lend.actor_ranks for r in lend.ranks)  # none came back after the first step
+    assert lent and all(rr.prompt_tokens > 0 for rr in lent)
     assert rl.steps[0]["start_s"] < rb.steps[0]["start_s"]  # the first batch is ready sooner
     assert rl.twt_s < rb.twt_s
+    decisions = lend.lend_decisions
+    assert [step for step, _, _ in decisions] == list(range(1, w.steps))  # every boundary (none after the last)
+    assert len(lent) == lend.actor_ranks * (1 + sum(lent_ for _, lent_, _ in decisions))  # each lend: a spell
     _trajectory_conservation(lend)
+
+
+def test_lend_actor_lends_before_every_evaluation():
+    w = load_workload(TINY)  # evaluation every 3 steps
+    sim = Simulation(w, 8, replace(TIDE, lend_actor=True), seed=3)
+    sim.run()
+    evals = [step for step in range(1, w.steps) if w.is_eval_step(step)]
+    assert evals, w.eval
+    for step, lent, why in sim.lend_decisions:
+        assert lent == (step in evals or (lent and "eval" not in why)), (step, lent, why)
+        assert (step in evals) == ("eval" in why), (step, why)
 
 
 def test_same_seed_same_result_other_seed_differs():
@@ -244,9 +257,8 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     from_best.pop("advised_rollout_ratio")
     assert from_best == systems["tide"]
     assert len({r["goodput_tok_s"] for r in starts.values()}) > 1  # the start ratio matters
-    lend = report["what_if"]["tide_cold_start_lend"]
+    lend = systems["tide_lend_actor"]  # tide.ers.lend_actor, a system trainer tide runs (opt-in)
     assert lend["rollout_ratio"] == systems["tide"]["rollout_ratio"] and lend["goodput_tok_s"] > 0
-    assert "tide_cold_start_lend" not in systems  # a what-if, not a system trainer tide runs
     free_sync = report["what_if"]["tide_free_sync_lend"]  # the lend with a weight sync of zero seconds
     assert free_sync["rollout_ratio"] == lend["rollout_ratio"] and free_sync["goodput_tok_s"] > 0
     assert free_sync != lend  # it ran on other hardware (the goodput is not monotone in the sync's cost)

@@ -1,5 +1,6 @@
 """The step-boundary decision, in one place: RA2P's mode (and split share) for the next step, the decoupled
-break-even RAS, the Ref-rank outlook ERS weighs, and ERS's scaling plan.
+break-even RAS, the Ref-rank outlook ERS weighs, ERS's scaling plan, and whether the Actor's GPUs roll out
+until the next step (`ers/lending.py`).
 
 Why one module: trainer `tide` and the simulator decide at the same moment (after the Actor's update,
 before the weight sync) from the same inputs: the last step's ready times, the per-token stage rates the
@@ -23,6 +24,8 @@ from typing import Optional
 
 from verl_tide.core.config import ERSConfig, RA2PConfig
 from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
+from verl_tide.ers import lending
+from verl_tide.ers.lending import LendDecision, LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimer, StageTimes, best_split, choose_mode,
                                  decoupled_break_even_ras, ref_rank_outlook)
@@ -68,6 +71,7 @@ class BoundaryInputs:
     replicas_up: int = 0  # Ref replicas answering now (fixed and elastic)
     ref_beside_actor: bool = False  # Ref also runs on the Actor's ranks beside the replicas: split is possible
     uses_ref: bool = True  # the job has a Ref model at all
+    lending: Optional[LendingInputs] = None  # the Actor's GPUs may roll out (tide.ers.lend_actor); None: they may not
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class BoundaryDecision:
     break_even: Optional[int]
     signals: Optional[ReadinessSignals]
     plan: Optional[ScalingPlan]
+    lend: Optional[LendDecision] = None  # whether the Actor's GPUs roll out after this boundary, and until when
 
     def summary(self) -> dict:
         """What a replay compares: every decision and its reason."""
@@ -86,7 +91,9 @@ class BoundaryDecision:
                 "choice": None if c is None else (c.mode.value, round(c.decoupled_s, 9), round(c.colocated_s, 9),
                                                   c.reason),
                 "plan": None if p is None else (tuple((m.rank, m.src.value, m.dst.value) for m in p.moves),
-                                                p.batch_size, p.reason)}
+                                                p.batch_size, p.reason),
+                "lend": None if self.lend is None else (self.lend.lend, self.lend.return_at_units,
+                                                        self.lend.reason)}
 
 
 @dataclass
@@ -122,7 +129,8 @@ class BoundaryPlanner:
             plan = self.ers.plan(inputs.step, signals, roles, phase=phase, ref_outlook=outlook,
                                  elastic_ref=elastic_ref, ref_floor=ref_floor)
         choice = None if costs is None else self._choose(costs, inputs, replicas_after(inputs.replicas_up, plan))
-        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan)
+        lend = None if inputs.lending is None else lending.decide(inputs.lending, phase, signals.tprm_smoothed)
+        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,
                                           ref_floor, decision.summary()))

@@ -5,10 +5,9 @@ the best rollout ratio of the sweep, each ratio also reported as `verl_async_fix
 `verl_async_hybrid` (the same at its best ratio, plus verl's hybrid replicas: trainer GPUs roll out
 while the trainer waits for a batch, at a switch cost each way);
 `streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
-`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); under `what_if`,
-`tide_cold_start_lend` (tide plus the Actor's GPUs rolling out until the first step can start, which
-trainer tide does not do yet) and `tide_free_sync_lend` (the same with a weight sync of zero seconds); and the
-oracle bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
+`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); `tide_lend_actor` (the same
+with `tide.ers.lend_actor`: the Actor's GPUs roll out as ERS decides); under `what_if`, `tide_free_sync_lend`
+(tide_lend_actor with a weight sync of zero seconds); and the oracle bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
 waiting, also reported as multiples of verl sync and the best fixed ratio (`oracle_bound`). `--ablation` adds
 the paper's Table 2: RA2P, ERS and CTB one at a time on top of the best StreamRL-like system.
 """
@@ -120,17 +119,17 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False,
              on: Hardware = hw) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                              elastic=True, cold_start_lend=lend), tide_ers, on)
+                              elastic=True, lend_actor=lend), tide_ers, on)
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
-    # What-if, not in trainer tide (it runs without verl's hybrid replicas): the Actor's GPUs roll out from job start
-    # until the first step can start, the paper's preemptive allocation on cold start extended to them.
-    what_if = {"tide_cold_start_lend": tide(best, "tide_cold_start_lend", lend=True),
-               # Not a system either: the lend plus a weight sync that costs nothing (no pause of the rollout ranks, no
-               # wait before the next step). What tide still waits there is neither the sync nor the cold start. Not
-               # an upper bound: a faster trainer can leave the rollout idling longer at the staleness limit.
-               "tide_free_sync_lend": tide(best, "tide_free_sync_lend", lend=True, on=free_sync(hw))}
+    # tide.ers.lend_actor (opt-in in trainer tide): the Actor's GPUs roll out through the cold start, before
+    # evaluations and after updates when ERS expects the wait for data to pay for the switch.
+    results["tide_lend_actor"] = tide(best, "tide_lend_actor", lend=True)
+    # Not a system: the lend plus a weight sync that costs nothing (no pause of the rollout ranks, no wait before
+    # the next step). What tide still waits there is neither the sync nor the cold start. Not an upper bound: a
+    # faster trainer can leave the rollout idling longer at the staleness limit.
+    what_if = {"tide_free_sync_lend": tide(best, "tide_free_sync_lend", lend=True, on=free_sync(hw))}
     if min_batch is not None:
         results["tide_min_batch"] = tide(best, "tide_min_batch", replace(ERSConfig(), min_batch=min_batch))
     # tide from every start ratio: ERS moves ranks between rollout and Ref only (a Ref rank takes Ref work off
@@ -210,11 +209,11 @@ def format_table(report: dict) -> str:
                  f"ERS plan {report.get('tide_ers_plan_ms', {}).get('median', 0):.3f} ms median, "
                  f"{report.get('tide_ers_plan_ms', {}).get('p99', 0):.3f} ms p99, "
                  f"{report.get('tide_ers_plan_ms_max', 0):.3f} ms slowest")
-    lend = report.get("what_if", {}).get("tide_cold_start_lend")
+    lend = report["systems"].get("tide_lend_actor")
     if lend:
         waits_lend = lend["rwt_s"] + lend["twt_s"]
-        lines.append(f"what-if, not in trainer tide: the Actor's GPUs roll out until the first step (verl's hybrid "
-                     f"replicas): goodput {lend['goodput_tok_s']:.0f} tok/s ({lend['goodput_tok_s'] / fixed['goodput_tok_s']:.2f}x "
+        lines.append(f"tide + tide.ers.lend_actor (the Actor's GPUs roll out as ERS decides, verl's hybrid replicas): "
+                     f"goodput {lend['goodput_tok_s']:.0f} tok/s ({lend['goodput_tok_s'] / fixed['goodput_tok_s']:.2f}x "
                      f"best fixed), RWT+TWT vs best fixed {waits_lend / max(waits_fixed, 1e-9) - 1:+.0%}")
     free = report.get("what_if", {}).get("tide_free_sync_lend")
     if free:

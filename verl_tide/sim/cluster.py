@@ -38,6 +38,7 @@ from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
+from verl_tide.ers.lending import LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, Role  # noqa: F401  (ERSPolicy: mini_batches)
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  split_cost, streaming_swap_cost)
@@ -58,9 +59,10 @@ class SystemSpec:
     eval_blocks_trainer: bool = True
     elastic: bool = False  # ERS
     hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
-    # What-if, not in trainer tide: the trainer's GPUs roll out (verl's hybrid replicas) from job start until the
-    # first step can start (the paper's preemptive allocation on cold start, extended to the Actor's GPUs)
-    cold_start_lend: bool = False
+    # tide.ers.lend_actor: the Actor's GPUs roll out (verl's hybrid replicas) from job start until the first step
+    # can start, then after each update as ERS decides (`ers/lending.py`, through the boundary planner, as trainer
+    # tide asks it): preemptively before an evaluation, else when the expected wait pays for the switch
+    lend_actor: bool = False
     micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
     max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)
 
@@ -204,6 +206,8 @@ class Simulation:
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
         self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
+        self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
+        self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
@@ -407,6 +411,8 @@ class Simulation:
             need = self.M if self.spec.consume == "global" else 1
             eval_blocked = self.spec.eval_blocks_trainer and any(
                 g.done + g.failed < g.size for g in self.eval_pending)
+            if self._hybrid_on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
+                need = max(need, min(self._lend_return_at, self._step_M))
             if eval_blocked or len(self.micro_batches) < need:
                 if self.spec.hybrid and not self._hybrid_on:
                     self._hybrid(wake=True)
@@ -498,7 +504,7 @@ class Simulation:
         sync_end = end + self.costs.sync_s
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
         if self.ers is not None or self.spec.consume == "ra2p":
-            rec.plan = self._decide(end, sync_end, eval_next)
+            rec.plan = self._decide(end, sync_end, eval_next, times)
         for rr in self.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:
@@ -522,12 +528,22 @@ class Simulation:
                               elastic_ref_ranks=len(self.ref_ranks), replicas_up=len(self.ref_ranks),
                               ref_beside_actor=True, uses_ref=self.spec.consume == "ra2p")
 
-    def _decide(self, end: float, sync_end: float, eval_next: bool) -> str:
-        """The planner at the post-update boundary (RA2P's next mode, ERS's plan), then ERS's moves."""
+    def lending_inputs(self, times: StageTimes) -> Optional[LendingInputs]:
+        """ERS's lending inputs as trainer tide builds them (trainer/lending.py): what is ready for the next step,
+        the switch's round trip (to rollout and back), the Actor's time to train a micro-batch."""
+        if not self.spec.lend_actor:
+            return None
+        return LendingInputs(ready_units=len(self.micro_batches), units_per_mini_batch=1, mini_batches=self._step_M,
+                             switch_cost_s=2 * self.costs.switch_s, train_s_per_mini_batch=times.t_act_f + times.t_act_b,
+                             last_step=self.consumed_steps >= self.w.steps)
+
+    def _decide(self, end: float, sync_end: float, eval_next: bool, times: StageTimes) -> str:
+        """The planner at the post-update boundary (RA2P's next mode, ERS's plan, the Actor's GPUs lent or not),
+        then ERS's moves."""
         roles = {r: Role.ROLLOUT for r in self.ranks} | {r: Role.REF for r in self.ref_ranks}
         t0 = time.perf_counter()
         decision = self.planner.decide(
-            self.boundary_inputs(),
+            dataclasses.replace(self.boundary_inputs(), lending=self.lending_inputs(times)),
             lambda be: self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=be, t=end),
             roles if self.ers is not None else None, Phase.EVAL if eval_next else Phase.TRAIN)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # RA2P's choice and ERS's plan together
@@ -539,6 +555,11 @@ class Simulation:
                                   self.ers_cfg.split_advice_kv_bound)
             self.split_advice = self.advisor.update(advice) or self.split_advice
         self._eval_in_cycle = eval_next
+        if decision.lend is not None:
+            self._lend_return_at = decision.lend.return_at_units
+            if decision.lend.lend and not self._hybrid_on:  # woken after the weight sync, with the new weights
+                self._hybrid(wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
+            self.lend_decisions.append((self.consumed_steps, decision.lend.lend, decision.lend.reason))
         plan = decision.plan
         # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
         self._step_M = ERSPolicy.mini_batches(plan.batch_size, self.mb_size, self.M)
@@ -626,7 +647,7 @@ class Simulation:
         if not self.spec.sync:
             if self.w.is_eval_step(0):
                 self._release_eval()
-            if self.spec.cold_start_lend or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
+            if self.spec.lend_actor or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
                 self._hybrid(wake=True, switch_s=0.0)
             self._release_train_groups()
             self.tracker.rollout_started(t=self.t)

@@ -1,14 +1,16 @@
-"""ERS lends the Actor's GPUs to rollout (issue 27, first part): verl's hybrid replicas on the trainer's GPUs.
+"""ERS lends the Actor's GPUs to rollout (`tide.ers.lend_actor`): verl's hybrid replicas on the trainer's GPUs.
 
 Why: the Actor's GPUs have nothing to train until a step's first mini-batch is ready: the cold start, the
 waits inside steps that start with too little ready data, evaluations. verl's `separate_async` already
 builds a rollout replica beside the Actor (its hybrid engine: weights and KV cache asleep while the Actor
-trains) and switches it: rollout until `switch_threshold_ratio` of the step's prompts are ready, then abort
-(partial rollouts resume elsewhere), sleep, train; back to rollout after the update when the expected wait
-exceeds the measured switch cost. Trainer `tide` keeps that mechanism and its decision; CTB routes to the
-replica while it is lent (it joins and leaves CTB's pool like an elastic rank, its tasks re-dispatched).
-Not yet: ERS's own readiness signals deciding the switch, and jobs with a Ref model (the replica sits in
-verl's combined actor/rollout/ref worker, beside which RA2P's Ref paths are not built).
+trains) and switches it: rollout until a threshold of the step's prompts are ready, then abort (partial
+rollouts resume elsewhere), sleep, train; back to rollout after the update. Trainer `tide` keeps that
+mechanism (the sleep/wake path, the abort, the measured switch costs) and gives the decisions to ERS
+(`verl_tide/ers/lending.py`, through the boundary planner the simulator calls too): whether to lend after
+an update, and how many ready groups bring the Actor back. CTB routes to the replica while it is lent (it
+joins and leaves CTB's pool like an elastic rank, its tasks re-dispatched).
+Not yet: jobs with a Ref model (the replica sits in verl's combined actor/rollout/ref worker, beside which
+RA2P's Ref paths are not built).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import replace
 from typing import Any, Mapping
 
 from verl_tide.core.config import TideConfigError
+from verl_tide.ers.lending import LendDecision, LendingInputs
 
 
 def switch_config(config: Any, lend: bool) -> Any:
@@ -52,3 +55,24 @@ def lent_metrics(status: Mapping[str, Any], actor_servers: list[str]) -> dict[st
     pool_s = status.get("pool_s", {})
     return {"tide/ers/actor_lent_turns": lent_turns(status.get("turns_served", {}), actor_servers),
             "tide/ers/actor_lent_s": float(sum(pool_s.get(s, 0.0) for s in actor_servers))}
+
+
+def lending_inputs(ready_groups: int, groups_per_mini_batch: int, mini_batches: int, switch_cost_s: Any,
+                   timing: Mapping[str, float], trained_mini_batches: int, last_step: bool) -> LendingInputs:
+    """ERS's lending inputs from what the trainer holds after an update: the groups already sampleable for the
+    next step (verl's replay buffer), verl's measured switch round trip, and the Actor's time per mini-batch
+    (verl's `update_actor` timer over the mini-batches the step trained)."""
+    update_s = float(timing.get("update_actor", 0.0))
+    per_mini_batch = update_s / trained_mini_batches if update_s > 0 and trained_mini_batches > 0 else None
+    return LendingInputs(ready_units=int(ready_groups), units_per_mini_batch=groups_per_mini_batch,
+                         mini_batches=mini_batches, switch_cost_s=switch_cost_s,
+                         train_s_per_mini_batch=per_mini_batch, last_step=last_step)
+
+
+def decision_metrics(lend: LendDecision) -> dict[str, float]:
+    """What each step logs of ERS's lending decision (verl's own name for the switch too)."""
+    m = {"tide/ers/lend_actor": float(lend.lend), "tide/ers/lend_return_at_groups": float(lend.return_at_units),
+         "separate_async/decision/should_switch_to_rollout": float(lend.lend)}
+    if lend.expected_wait_s is not None:
+        m["tide/ers/lend_expected_wait_s"] = float(lend.expected_wait_s)
+    return m

@@ -75,7 +75,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         lending.check(self._enable_hybrid_replicas, bool(self.use_reference_policy))
         self.hybrid_rollout_config = lending.switch_config(config, self._enable_hybrid_replicas)
         if self._enable_hybrid_replicas:
+            verl_compat.check_hybrid_switch_hooks(PPOTrainerSeparateAsync)
             self._init_hybrid_rollout_state()
+        self._lend = None  # ERS's last lending decision (tide.ers.lend_actor)
         self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
                                              ideal_batch(self.tide_config, config))
         self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
@@ -315,7 +317,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._elastic_batch = plan.batch_size
         relaunched = self.health.before_sync()
         sync_start = self.clock()
-        self.health.sync_weights(super().on_step_end, self.rollout_roles)
+        self.health.sync_weights(self._sync_weights_and_lend, self.rollout_roles)
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
         self.report.feed_rollout_clocks(self.readiness, report=False)
@@ -327,6 +329,18 @@ class TideTrainer(PPOTrainerSeparateAsync):
         pending.update(eval_metrics)
         if eval_metrics and self.exporter is not None:
             self.exporter.update_from_eval(eval_metrics)
+
+    def _sync_weights_and_lend(self) -> None:
+        """verl's weight sync at the step's end; with the Actor's replica, ERS's lending decision in place of verl's
+        hybrid switch decision."""
+        if self._lend is None:
+            return super().on_step_end()
+        verl_compat.separate_async_step_end(self, self._lend.lend)
+
+    def _switch_threshold(self) -> int:
+        """verl's hook, read as a step begins while the Actor's replica is lent: ERS's count of ready groups that
+        brings it back to training (one mini-batch before any rate was measured)."""
+        return self._lend.return_at_units if self._lend is not None else self._groups_per_mini_batch
 
     def on_train_end(self):
         super().on_train_end()
@@ -351,7 +365,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
             self.stage_timer, max(1, self.actor_rollout_wg.world_size), self.tide_config.ra2p.ref_ranks,
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
-            bool(self.use_reference_policy))
+            bool(self.use_reference_policy), self._lending_inputs())
         tide = self.tide_config
         decision = self.planner.decide(
             inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
@@ -359,8 +373,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.rollout_roles, phase=self._phase(), elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
             ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
-        signals, plan = decision.signals, decision.plan
+        signals, plan, self._lend = decision.signals, decision.plan, decision.lend
         m: dict[str, Any] = self.ledger.snapshot()
+        if self._lend is not None:
+            m.update(lending.decision_metrics(self._lend))
+            print(f"verl-tide step {self.global_steps}: ERS {'lends' if self._lend.lend else 'keeps'} the Actor's GPU "
+                  f"({self._lend.reason}); it trains again at {self._lend.return_at_units} ready groups", flush=True)
         held = self.replay_buffer.groups_held()
         m["tide/ledger/groups_held"] = float(held)  # counted in TransferQueue, not derived from the ledger
         m.update({f"tide/readiness/groups_stamped_{k}": float(v) for k, v in self.replay_buffer.stamped.items()})
@@ -378,6 +396,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
         m.update(self.report.engine_hit_rates(self.quarantined))
         return m, plan, signals
+
+    def _lending_inputs(self):
+        """ERS's lending inputs after this update (None without tide.ers.lend_actor)."""
+        if not self._enable_hybrid_replicas:
+            return None
+        return lending.lending_inputs(
+            self.replay_buffer.get_sampleable_count(self.global_steps + 1, "train"), self._groups_per_mini_batch,
+            self.parameter_sync_step, verl_compat.switch_round_trip_s(self), verl_compat.step_timing(self),
+            self._window_mini_batches, self.global_steps >= self.total_training_steps)
 
     def _apply_plan(self, plan, signals) -> dict[str, Any]:
         """Move the plan's ranks (before the weight sync) and report roles and RA2P's next mode after it."""

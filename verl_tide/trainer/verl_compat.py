@@ -122,3 +122,51 @@ def train_mini_batches(trainer: Any, count: int, sample_batch_size: int, metrics
         partition_id = batch.partition_id
     metrics.update(aggregator.get_aggregated_metrics())
     return KVBatchMeta(partition_id=partition_id, keys=keys, tags=tags)
+
+
+def separate_async_step_end(trainer: Any, lend: bool) -> None:
+    """`PPOTrainerSeparateAsync.on_step_end` of verl 0.9.1 with its hybrid-switch decision taken out: `lend`
+    (ERS's, `verl_tide/ers/lending.py`) says whether the replica on the Actor's GPUs rolls out after the weight
+    sync. The rest as verl does it: the weight sync, the replica registered with the balancer before the sync
+    and woken after it (so it gets the new weights), the round trip's cost recorded where verl keeps it."""
+    import time
+
+    from verl.utils.profiler import marked_timer
+
+    costs = reach(trainer, "_to_rollout_costs", "the hybrid switch's measured costs to rollout")
+    if reach(trainer, "prev_step_profile", "whether the last step was profiled"):
+        reach(trainer, "_stop_rollout_profiling", "stops the rollout profiler")()
+    timing = step_timing(trainer)
+    prepare_s = 0.0
+    if lend:
+        start = time.perf_counter()
+        with marked_timer("switch_to_rollout", timing, color="cyan"):
+            trainer.add_replicas_to_balancer()
+            trainer.clear_sticky_cache()
+        prepare_s = time.perf_counter() - start
+    with marked_timer("update_weights", timing, color="red"):
+        sync = reach(trainer, "standalone_checkpoint_manager", "the rollout pool's weight sync").update_weights(
+            trainer.global_steps)
+    trainer._pending_sync_metrics = dict(sync or {})
+    if lend:
+        start = time.perf_counter()
+        with marked_timer("switch_to_rollout", timing, color="cyan"):
+            trainer.switch_to_rollout(already_registered=True)
+        costs.append(prepare_s + time.perf_counter() - start)
+
+
+def switch_round_trip_s(trainer: Any) -> float | None:
+    """The measured cost of lending the Actor's replica and taking it back (verl 0.9.1 keeps the recent
+    switches' costs, both ways, and averages them in `_effective_switch_cost`); None before both were seen."""
+    return reach(trainer, "_effective_switch_cost", "the hybrid switch's measured round-trip cost")()
+
+
+def check_hybrid_switch_hooks(trainer_cls: type) -> None:
+    """The hybrid-switch methods ERS's lending overrides or calls (verl 0.9.1's separate_async): fail at start-up,
+    not at the first switch, if verl renamed them."""
+    for name, what in (("_switch_threshold", "ready prompts before the hybrid replica returns to training"),
+                       ("_effective_switch_cost", "the measured switch round trip"),
+                       ("switch_to_rollout", "wakes the hybrid replica with the new weights"),
+                       ("add_replicas_to_balancer", "routes rollout to the hybrid replica"),
+                       ("_init_hybrid_rollout_state", "the hybrid switch's state")):
+        reach(trainer_cls, name, what)

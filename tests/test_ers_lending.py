@@ -1,0 +1,99 @@
+"""ERS's decision to lend the Actor's GPUs to rollout (`verl_tide/ers/lending.py`), alone and through the boundary
+planner that trainer `tide` and the simulator both call. The end-to-end job: tests/test_ers_lend_actor_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from verl_tide.core.config import ERSConfig, RA2PConfig
+from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner
+from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.ers.lending import LendingInputs, decide, return_threshold
+from verl_tide.ers.policy import Phase, Role
+
+
+def inputs(ready=0, g=2, m=2, cost=1.0, train=2.0, last=False) -> LendingInputs:
+    return LendingInputs(ready_units=ready, units_per_mini_batch=g, mini_batches=m, switch_cost_s=cost,
+                         train_s_per_mini_batch=train, last_step=last)
+
+
+def test_lend_when_the_expected_wait_exceeds_the_measured_round_trip_and_not_otherwise():
+    # 2 groups missing for the next step's first mini-batch, one every 0.8 s: 1.6 s of waiting > 1.0 s switch
+    d = decide(inputs(ready=0, cost=1.0), Phase.TRAIN, seconds_per_unit=0.8)
+    assert d.lend and d.expected_wait_s == pytest.approx(1.6), d
+    d = decide(inputs(ready=1, cost=1.0), Phase.TRAIN, seconds_per_unit=0.8)  # one missing: 0.8 s
+    assert not d.lend and d.expected_wait_s == pytest.approx(0.8) and "<= switch 1.00s" in d.reason, d
+    d = decide(inputs(ready=2), Phase.TRAIN, seconds_per_unit=0.8)  # a mini-batch is ready: train
+    assert not d.lend and d.expected_wait_s == 0.0, d
+
+
+def test_unknown_rate_or_cost_lends_and_the_first_switch_measures_it():
+    assert decide(inputs(cost=None), Phase.TRAIN, seconds_per_unit=0.1).lend
+    assert decide(inputs(cost=5.0), Phase.TRAIN, seconds_per_unit=None).lend
+
+
+def test_evaluation_lends_preemptively_and_the_last_step_never_lends():
+    d = decide(inputs(ready=10, cost=100.0), Phase.EVAL, seconds_per_unit=0.01)
+    assert d.lend and "eval" in d.reason
+    assert not decide(inputs(last=True), Phase.EVAL, seconds_per_unit=10.0).lend
+
+
+def test_the_actor_returns_once_the_rest_of_the_step_arrives_while_the_ready_part_trains():
+    # 4 mini-batches of 2 groups, a group every 1 s, 2 s to train a mini-batch: with 2 mini-batches in hand
+    # the other 2 (4 groups, 4 s) arrive while those train (4 s); with 1 they would not (6 s > 2 s)
+    assert return_threshold(inputs(g=2, m=4, train=2.0), seconds_per_unit=1.0) == 4
+    assert return_threshold(inputs(g=2, m=4, train=100.0), seconds_per_unit=1.0) == 2  # training is slow: 1
+    assert return_threshold(inputs(g=2, m=4, train=0.01), seconds_per_unit=1.0) == 8  # arrivals slow: the whole
+    assert return_threshold(inputs(g=2, m=4, train=None), seconds_per_unit=1.0) == 2  # unknown: one mini-batch
+    assert return_threshold(inputs(g=2, m=4), seconds_per_unit=None) == 2
+
+
+@given(g=st.integers(1, 8), m=st.integers(1, 16), s=st.floats(0.01, 50), t=st.floats(0.01, 50))
+def test_the_return_threshold_is_the_fewest_mini_batches_that_cover_the_rest(g, m, s, t):
+    k = return_threshold(inputs(g=g, m=m, train=t), seconds_per_unit=s) // g
+    assert 1 <= k <= m
+    assert k == m or (m - k) * g * s <= k * t * (1 + 1e-6)
+    assert k == 1 or (m - k + 1) * g * s > (k - 1) * t * (1 - 1e-6)
+
+
+def test_bad_inputs_name_the_field():
+    with pytest.raises(ValueError, match="units_per_mini_batch = 0"):
+        inputs(g=0)
+
+
+def _signals(tprm):
+    return ReadinessSignals(ready_at_start=0, time_per_ready_microbatch=tprm, tprm_smoothed=tprm, hol_latency=0.0,
+                            ready_volume=0, mean_step_time=10.0, generation_deficit=True, consumption_deficit=False,
+                            rollout_wait_s=0.0, trainer_wait_s=5.0)
+
+
+def test_the_planner_decides_lending_from_the_signals_tprm_and_records_it_in_the_summary():
+    planner = BoundaryPlanner.build(RA2PConfig(), ERSConfig(), ideal_batch=8)
+    base = BoundaryInputs(step=3, ready_times=(1.0, 2.0), units_per_mini_batch=2, step_tokens=100.0, rates=None,
+                          actor_ranks=1, uses_ref=False)
+    without = planner.decide(base, lambda be: _signals(1.5), {0: Role.ROLLOUT})
+    assert without.lend is None and without.summary()["lend"] is None
+    lend_in = inputs(ready=0, cost=2.0)
+    decided = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": lend_in}), lambda be: _signals(1.5),
+                             {0: Role.ROLLOUT})
+    assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5) and decided.lend.lend  # 3 s > 2 s
+    assert decided.summary()["lend"] == (True, decided.lend.return_at_units, decided.lend.reason)
+    evaluation = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": inputs(ready=9, cost=2.0)}),
+                                lambda be: _signals(1.5), {0: Role.ROLLOUT}, phase=Phase.EVAL)
+    assert evaluation.lend.lend
+
+
+def test_the_hybrid_switch_hooks_lending_relies_on_exist_in_verl_and_a_missing_one_is_named():
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    from verl_tide.trainer.verl_compat import VerlChanged, check_hybrid_switch_hooks
+
+    check_hybrid_switch_hooks(PPOTrainerSeparateAsync)
+
+    class Renamed:
+        _switch_threshold = _effective_switch_cost = switch_to_rollout = add_replicas_to_balancer = None
+
+    with pytest.raises(VerlChanged, match=r"_init_hybrid_rollout_state .*verl 0\.9\.1"):
+        check_hybrid_switch_hooks(Renamed)

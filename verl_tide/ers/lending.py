@@ -1,0 +1,81 @@
+"""ERS lends the Actor's GPUs to rollout: whether, after an update, and until how much is ready.
+
+Why here: the paper's ERS moves GPUs to where the readiness signals say work waits. The Actor's GPUs (verl's
+hybrid replica beside the Actor) are the one place it had not reached: they idle through the cold start, the
+evaluations and the waits inside steps that start with too little ready data. The trainer and the simulator
+ask this module through `BoundaryPlanner.decide` (one decision path); trainer `tide` hands the answer to
+verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replicas.
+
+- Cold start and evaluation: lend preemptively (generation dominates), as ERS's rank moves do.
+- After an update: lend when the expected wait for the next step's first mini-batch (the units still missing
+  times the measured time per ready unit, TPRM) exceeds the measured switch round trip (to rollout and back).
+  Unknown rate or cost: lend (the first switch measures the cost; verl's own switch decides the same way).
+- Return: once enough is ready that the rest of the step's mini-batches arrive while the ready ones train,
+  k of M mini-batches with (M - k) x units x TPRM <= k x train time per mini-batch; one mini-batch when
+  either rate is unknown (the trainer streams mini-batches).
+
+Pure Python: no verl, ray or torch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from verl_tide.ers.policy import Phase
+
+
+@dataclass(frozen=True)
+class LendingInputs:
+    """What the lending decision reads besides the phase and the rate of ready units."""
+
+    ready_units: int  # units (GRPO groups) ready for the next step now
+    units_per_mini_batch: int
+    mini_batches: int  # per step (the weight-sync window)
+    switch_cost_s: Optional[float]  # measured round trip, rollout and back (None before one was measured)
+    train_s_per_mini_batch: Optional[float]  # the Actor's measured time to train one mini-batch
+    last_step: bool = False
+
+    def __post_init__(self) -> None:
+        if self.units_per_mini_batch < 1 or self.mini_batches < 1:
+            raise ValueError(f"LendingInputs: units_per_mini_batch = {self.units_per_mini_batch}, mini_batches = "
+                             f"{self.mini_batches}: both must be >= 1")
+
+
+@dataclass(frozen=True)
+class LendDecision:
+    lend: bool
+    return_at_units: int  # the replica goes back to training once this many units are ready
+    expected_wait_s: Optional[float]
+    reason: str
+
+
+def return_threshold(inputs: LendingInputs, seconds_per_unit: Optional[float]) -> int:
+    """Units ready before the Actor takes its GPUs back: k whole mini-batches, the fewest whose training
+    covers the arrival of the step's other M - k."""
+    g, m, t = inputs.units_per_mini_batch, inputs.mini_batches, inputs.train_s_per_mini_batch
+    if not seconds_per_unit or not t:
+        return g
+    k = math.ceil(m * g * seconds_per_unit / (g * seconds_per_unit + t) - 1e-9)
+    return g * min(m, max(1, k))
+
+
+def decide(inputs: LendingInputs, phase: Phase, seconds_per_unit: Optional[float]) -> LendDecision:
+    """Whether the Actor's replica rolls out from this boundary until `return_at_units` are ready."""
+    back_at = return_threshold(inputs, seconds_per_unit)
+    if inputs.last_step:
+        return LendDecision(False, back_at, None, "the last step: nothing to train after it")
+    if phase is not Phase.TRAIN:
+        return LendDecision(True, back_at, None, f"{phase.value}: generation dominates, lend preemptively")
+    missing = max(0, inputs.units_per_mini_batch - inputs.ready_units)
+    if missing == 0:
+        return LendDecision(False, back_at, 0.0, f"{inputs.ready_units} units ready: a mini-batch can train")
+    if seconds_per_unit is None:
+        return LendDecision(True, back_at, None, f"{missing} units missing, no arrival rate measured yet")
+    wait = missing * seconds_per_unit
+    if inputs.switch_cost_s is None:
+        return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s, switch cost not measured yet")
+    if wait > inputs.switch_cost_s:
+        return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s > switch {inputs.switch_cost_s:.2f}s")
+    return LendDecision(False, back_at, wait, f"expected wait {wait:.2f}s <= switch {inputs.switch_cost_s:.2f}s")
