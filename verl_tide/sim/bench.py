@@ -7,7 +7,8 @@ while the trainer waits for a batch, at a switch cost each way);
 `streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
 `tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); `tide_lend_actor` (the same
 with `tide.ers.lend_actor`: the Actor's GPUs roll out as ERS decides); under `what_if`, `tide_free_sync_lend`
-(tide_lend_actor with a weight sync of zero seconds); and the oracle bound: min(rollout capacity, trainer capacity) at the best split, with full prefix reuse and no
+(tide_lend_actor with a weight sync of zero seconds); and the oracle bound: min(rollout capacity, trainer
+capacity) at the best split, with full prefix reuse and no
 waiting, also reported as multiples of verl sync and the best fixed ratio (`oracle_bound`). `--ablation` adds
 the paper's Table 2: RA2P, ERS and CTB one at a time on top of the best StreamRL-like system.
 """

@@ -534,7 +534,8 @@ class Simulation:
         if not self.spec.lend_actor:
             return None
         return LendingInputs(ready_units=len(self.micro_batches), units_per_mini_batch=1, mini_batches=self._step_M,
-                             switch_cost_s=2 * self.costs.switch_s, train_s_per_mini_batch=times.t_act_f + times.t_act_b,
+                             switch_cost_s=2 * self.costs.switch_s,
+                             train_s_per_mini_batch=times.t_act_f + times.t_act_b,
                              last_step=self.consumed_steps >= self.w.steps)
 
     def _decide(self, end: float, sync_end: float, eval_next: bool, times: StageTimes) -> str:
