@@ -2,6 +2,12 @@
 switch, every split) and `+tide=enabled`, on one wall clock (issue 24; `verl_tide/testing/compare.py` says how).
 
     python benchmarks/e2e_compare.py --workdir outputs/compare --json outputs/compare/compare.json
+    python benchmarks/e2e_compare.py --preset every_part --workdir outputs/every_part --json ...
+
+Presets: `demo` (the demo's job: 2 fake GPUs, no Ref model) and `every_part` (issue 24: every part of tide at
+once: a Ref model with verl's KL loss, 3 fake GPUs with 2 rollout ranks under tide, rollout engines with a KV
+cache small enough that resident contexts contend, environment latency doubled (tiny_slow's heavy tail), an
+evaluation every 3 steps; it reports which of tide's mechanisms acted beside the goodputs).
 
 Prints a table, `goodput tide/best stock: N.NNx (best stock = MODE)` and `goodput tide/sync: N.NNx`, writes the
 JSON (per system: start-up, wall, tokens, goodputs, per-step reward, step time, weight sync, waits, staleness)
@@ -19,32 +25,45 @@ import tempfile
 import time
 from pathlib import Path
 
-from verl_tide.testing.compare import REWARD, best_stock, is_tide, job_overrides, systems, wall_clock_summary
+from dataclasses import replace
+
+from verl_tide.testing.compare import (REWARD, best_stock, is_tide, job_overrides, mechanisms, systems,
+                                       wall_clock_summary)
 from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_with_env_service
 
 
-def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float) -> dict:
+# every_part: the engines' KV cache in blocks (16 tokens on vLLM-CPU): 512 tokens an engine, where a step's 8
+# trajectories of up to 224 tokens each need about 1,800
+EVERY_PART_KV_BLOCKS = 32
+
+
+def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
+               extra: tuple[str, ...] = ()) -> dict:
     lines: list[tuple[float, str]] = []
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
     started = time.time()
     run, health = run_with_env_service(
-        lambda url: job_overrides(job, system, env_agent_overrides(url)), work, latency_scale=latency_scale,
+        lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
+        latency_scale=latency_scale,
         timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=lambda line: lines.append((time.time(), line)))
     if run.returncode != 0:
         return {"returncode": run.returncode, "error": run.output[-3000:]}
     summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
-    return {"returncode": 0, **summary, "episodes_started": health["started"], "episodes_ended": health["ended"]}
+    return {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
+            "episodes_started": health["started"], "episodes_ended": health["ended"]}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=("demo", "every_part"), default="demo")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
     ap.add_argument("--n", type=int, default=2, help="trajectories per prompt (GRPO group size)")
-    ap.add_argument("--gpus", type=int, default=2, help="fake GPUs per job")
+    ap.add_argument("--gpus", type=int, default=None, help="fake GPUs per job (demo 2, every_part 3)")
     ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
-    ap.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latency (0 = none)")
+    ap.add_argument("--latency-scale", type=float, default=None,
+                    help="multiply environment latency (0 = none; demo 1, every_part 2)")
     ap.add_argument("--only", action="append", default=None, help="run only systems whose name contains this")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -53,12 +72,21 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    job = demo_job(work, args.steps, args.batch, args.n, args.gpus)
+    every_part = args.preset == "every_part"
+    gpus = args.gpus or (3 if every_part else 2)
+    latency = args.latency_scale if args.latency_scale is not None else (2.0 if every_part else 1.0)
+    job = demo_job(work, args.steps, args.batch, args.n, gpus)
+    extra: tuple[str, ...] = ()
+    if every_part:
+        job = replace(job, use_kl_loss=True)
+        extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
+                 "trainer.test_freq=3")
     results: dict[str, dict] = {}
-    ran = [s for s in systems(job, args.max_staleness) if not args.only or any(o in s.name for o in args.only)]
+    ran = [s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1)
+           if not args.only or any(o in s.name for o in args.only)]
     for system in ran:
         print(f"[compare] {system.name}: {len(system.overrides)} overrides on the job's own", flush=True)
-        results[system.name] = run_system(system, job, work, args.latency_scale, args.timeout)
+        results[system.name] = run_system(system, job, work, latency, args.timeout, extra)
         r = results[system.name]
         print(f"[compare] {system.name}: " + (f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall "
                                                f"(start-up {r['startup_s']:.1f} s)" if r["returncode"] == 0
@@ -74,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>44} | {r['startup_s']:>10.1f} | {r['wall_s']:>7.1f} | {r['tokens']:>7.0f} | "
               f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {rewards}")
     finished = {k: v for k, v in results.items() if v["returncode"] == 0}
+    for name in (n for n in finished if is_tide(n)):
+        print(f"{name}: mechanisms that acted: " + ", ".join(f"{k} {v:g}" for k, v in
+                                                            finished[name]["mechanisms"].items()))
     stock = [n for n in finished if not is_tide(n)]
     for tide in (n for n in finished if is_tide(n)):
         if not stock:
@@ -92,8 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         plot_rewards(curves, work / f"rewards_by_{axis}.png", f"reward ({REWARD}) against {axis}",
                      xlabel="step" if axis == "step" else "wall-clock s from the first rollout request")
     if args.json:
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "clock": "first /start to the "
-                                              "last step's metrics line", **results}, indent=2, default=str))
+        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+                                              "clock": "first /start to the last step's metrics line",
+                                              **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
 
 

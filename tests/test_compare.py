@@ -57,3 +57,26 @@ def test_the_best_stock_system_is_the_fastest_that_is_not_tide():
     assert best_stock(results) == ("verl colocate_async", 300.0)
     with pytest.raises(ValueError, match="no stock verl system"):
         best_stock({"tide": {"goodput_tok_s": 1.0}})
+
+
+def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_and_no_lending():
+    from dataclasses import replace
+
+    job = replace(_job(3), use_kl_loss=True)
+    ran = systems(job, tide_rollout_gpus=2)
+    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide"]  # lending refuses a Ref model
+    keys = dict(o.split("=", 1) for o in ran[-1].overrides)
+    assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == "2" and keys["trainer.n_gpus_per_node"] == "1"
+
+
+def test_mechanisms_say_what_acted_over_a_run():
+    from verl_tide.testing.compare import mechanisms
+
+    steps = {1: {"ctb_pauses": 2.0, "ctb_resumes": 1.0, "ra2p_decoupled": 0.0, "ra2p_split": 1.0, "ers_moves": 1.0,
+                 "ers_ref_ranks": 1.0, "prefix_cache_hit_rate": 0.5},
+             2: {"ctb_pauses": 5.0, "ctb_resumes": 5.0, "ra2p_decoupled": 1.0, "ra2p_split": 0.0, "ers_moves": 1.0,
+                 "ers_ref_ranks": 0.0, "prefix_cache_hit_rate": None}}
+    assert mechanisms(steps) == {"ctb_pauses": 5.0, "ctb_resumes": 5.0, "ra2p_decoupled_steps": 1.0,
+                                 "ra2p_split_steps": 1.0, "ers_moves": 2.0, "ers_steps_with_ref_ranks": 1.0,
+                                 "prefix_cache_hit_rate_mean": 0.5}
+    assert mechanisms({}) == {}

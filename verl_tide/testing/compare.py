@@ -35,6 +35,14 @@ REPORTED = {
     "prefix_cache_hit_rate": "tide/rollout/prefix_cache_hit_rate",
     "actor_lent_turns": "tide/ers/actor_lent_turns",
     "switch_wait_s": "timing_s/switch_wait",
+    "kl_loss": "actor/kl_loss",
+    # which of tide's mechanisms acted (cumulative counters, or the step's mode)
+    "ctb_pauses": "tide/ctb/pauses",
+    "ctb_resumes": "tide/ctb/resumes",
+    "ra2p_decoupled": "tide/ra2p/step_mode_decoupled",
+    "ra2p_split": "tide/ra2p/step_mode_split",
+    "ers_moves": "tide/ers/moves_applied",
+    "ers_ref_ranks": "tide/ers/ranks_ref",
 }
 
 
@@ -47,8 +55,10 @@ class System:
     rollout_gpus: int  # fake GPUs that roll out (all of them for hybrid engines)
 
 
-def systems(job: GRPOJob, max_staleness: int = 1) -> list[System]:
-    """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all)."""
+def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1) -> list[System]:
+    """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
+    `tide_rollout_gpus` of them. Lending the Actor's GPU is left out for a job with a Ref model (trainer tide
+    refuses that combination)."""
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
     out = [
         System("verl sync", (), job.n_gpus),
@@ -69,11 +79,27 @@ def systems(job: GRPOJob, max_staleness: int = 1) -> list[System]:
             label = f"verl separate_async {job.n_gpus - rollout}T/{rollout}R" + (" + hybrid switch" if switch else "")
             out.append(System(label, (*split, f"trainer.v1.separate_async.hybrid_rollout.enable_switch={switch}"),
                               rollout))
-    tide = (*tide_overrides(job), f"tide.max_staleness={max_staleness}")
-    out.append(System("tide", tide, 1))
-    # ERS lending the Actor's GPUs to rollout (verl's hybrid replica beside the Actor; not the default yet)
-    out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
+    tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus), f"tide.max_staleness={max_staleness}")
+    out.append(System("tide", tide, tide_rollout_gpus))
+    if not job.use_kl_loss:  # ERS lending the Actor's GPUs to rollout (verl's hybrid replica; not the default yet)
+        out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
+
+
+def mechanisms(steps: dict[int, dict]) -> dict[str, float]:
+    """Which of tide's mechanisms acted over a run, from its per-step numbers (`wall_clock_summary`'s steps)."""
+    if not steps:
+        return {}
+    last = steps[max(steps)]
+    hit = [s["prefix_cache_hit_rate"] for s in steps.values() if s.get("prefix_cache_hit_rate") is not None]
+    return {
+        "ctb_pauses": float(last.get("ctb_pauses") or 0.0), "ctb_resumes": float(last.get("ctb_resumes") or 0.0),
+        "ra2p_decoupled_steps": float(sum(bool(s.get("ra2p_decoupled")) for s in steps.values())),
+        "ra2p_split_steps": float(sum(bool(s.get("ra2p_split")) for s in steps.values())),
+        "ers_moves": float(sum(s.get("ers_moves") or 0.0 for s in steps.values())),
+        "ers_steps_with_ref_ranks": float(sum(bool(s.get("ers_ref_ranks")) for s in steps.values())),
+        "prefix_cache_hit_rate_mean": sum(hit) / len(hit) if hit else float("nan"),
+    }
 
 
 def is_tide(name: str) -> bool:
