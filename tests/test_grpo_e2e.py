@@ -37,10 +37,10 @@ def stock_run(tiny_model_path, env_service_url, tmp_path_factory):
         "router_class": "verl_tide.ctb.router.CTBLoadBalancer", "kv_capacity_tokens": 700,
         "idle_finish_s": 300, "status_path": str(work / "ctb_status.json"), "ctb": {"kv_headroom": 1.0},
     }))
-    # tiny_slow: the guessing game with a format reward (a dense signal: GRPO advantages are not all zero); this
-    # module's environment server runs without latency
-    train = write_env_task_parquet(work / "train.parquet", 8, env="tiny_slow")
-    val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
+    # tiny_dense: the guessing game with a format reward graded by the answer's share of digits (a dense signal:
+    # GRPO advantages are not all zero; the flat one of tiny_slow tied every group of a step now and then)
+    train = write_env_task_parquet(work / "train.parquet", 8, env="tiny_dense")
+    val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_dense", seed=100)
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), steps=STEPS,
                   prompt_length=128, response_length=96)
     overrides = [*grpo_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
@@ -62,8 +62,8 @@ def test_stock_grpo_completes_its_steps_on_cpu(stock_run):
 
 def test_every_step_updates_the_actor(stock_run):
     """Every step runs an update; one whose group rewards differ (GRPO advantages not all zero) moves the weights.
-    The format reward makes that likely at step 1 (8 trajectories of a guessing game), not certain at every
-    step: a step whose trajectories all scored the same has nothing to learn."""
+    The graded format reward makes that all but certain at step 1 (8 trajectories, 4 groups of 2); a step whose
+    trajectories all scored the same would have nothing to learn."""
     steps = parse_step_metrics(stock_run[0].output)
     for n in range(1, STEPS + 1):
         assert steps[n]["timing_s/update_actor"] > 0, steps[n]
