@@ -23,6 +23,32 @@ def test_what_a_run_left_in_the_temp_dir_goes_and_nothing_else(tmp_path, monkeyp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt_not_a_lock", "unrelated.lock", "vllm_dist_old"]
 
 
+def test_a_semaphore_another_run_creates_during_the_clean_up_is_not_removed(monkeypatch):
+    """pytest's second worker runs another job: a semaphore it creates while this run's clean-up scans /proc
+    (before its creator's child opened it) must stay; what this run left goes."""
+    import os
+
+    from verl_tide.testing import scratch
+
+    ours, theirs = "/dev/shm/sem.mp-tide-test-ours", "/dev/shm/sem.mp-tide-test-theirs"
+    before = run_files()
+    open(ours, "w").close()
+    real_scan = scratch.shm_in_use
+
+    def scan_while_another_run_starts():
+        open(theirs, "w").close()  # created during the scan, not mapped by anyone yet
+        return real_scan()
+
+    monkeypatch.setattr(scratch, "shm_in_use", scan_while_another_run_starts)
+    try:
+        clean_run_files(before)
+        assert not os.path.exists(ours) and os.path.exists(theirs)
+    finally:
+        for path in (ours, theirs):
+            if os.path.exists(path):
+                os.remove(path)
+
+
 def test_a_runs_ipc_sockets_and_semaphores_go_with_it_and_nothing_else(tmp_path, monkeypatch):
     import glob
     import os

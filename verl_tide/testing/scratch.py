@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+from typing import Optional
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,13 +50,18 @@ def run_files() -> set[str]:
 
 def clean_run_files(keep: set[str]) -> None:
     """Remove what a run left (`clean_shm`, and vLLM's `vllm_dist_*` stores and verl's `ckpt_*.lock` files in the
-    temp dir) that is not in `keep` and that no live process uses."""
-    in_use = shm_in_use()
-    clean_shm(keep | in_use)
+    temp dir) that is not in `keep` and that no live process uses.
+
+    What may go is listed before the scan for what is in use: another run (pytest's second worker) creates
+    semaphores and segments all the time, and one created between the scan and the removal would go while
+    its creator's child had yet to open it (seen: a vLLM engine core failing to start, `SemLock._rebuild`)."""
+    candidates = run_files() - keep
+    gone = candidates - shm_in_use()
+    clean_shm(set(), only=gone)
     tmp = tempfile.gettempdir()
     for pattern in _TMP_LEFTOVERS:
         for path in glob.glob(os.path.join(tmp, pattern)):
-            if path in keep or path in in_use:
+            if path not in gone:
                 continue
             try:
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
@@ -91,11 +97,12 @@ def shm_in_use() -> set[str]:
     return used
 
 
-def clean_shm(keep: set[str]) -> None:
+def clean_shm(keep: set[str], only: Optional[set[str]] = None) -> None:
     """Remove vLLM `psm_*` segments, verl weight-bucket files and the named semaphores of killed `multiprocessing`
     processes (`sem.mp-*`: their resource tracker dies with them and never unlinks the names) that a run left in
-    /dev/shm. Unlinking a name leaves processes that hold the semaphore unaffected."""
-    for path in glob.glob("/dev/shm/*"):
+    /dev/shm (of `only`, when given: entries listed earlier). Unlinking a name leaves processes that hold the
+    semaphore unaffected."""
+    for path in (glob.glob("/dev/shm/*") if only is None else sorted(p for p in only if p.startswith("/dev/shm/"))):
         name = os.path.basename(path)
         if path not in keep and (name.startswith(("psm_", "verl_", "sem.mp-")) or "weights" in name):
             try:
