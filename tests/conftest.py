@@ -26,3 +26,11 @@ def pytest_itemcollected(item):
         # one Ray cluster per module: every test of the module that uses it (directly or through a worker group)
         scope = "ray_cpu_cluster" if "ray_cpu_cluster" in shared else shared[0]
         item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{scope}"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Test-bed jobs first, then the tests that start verl processes, then the rest (a stable sort: each module's
+    tests keep their order): with two workers the long jobs start early and the short tests fill the end."""
+    def weight(item) -> int:
+        return 0 if item.get_closest_marker("testbed") else 1 if item.get_closest_marker("verl_process") else 2
+    items.sort(key=weight)

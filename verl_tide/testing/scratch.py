@@ -75,6 +75,9 @@ def shm_in_use() -> set[str]:
     import psutil
 
     used: set[str] = set()
+    # glibc's sem_open maps a temporary file and links it under the semaphore's name, so a live semaphore shows
+    # in the maps under the temporary (deleted) name: matched by inode
+    inodes: set[int] = set()
     for proc_dir in glob.glob("/proc/[0-9]*"):
         try:
             with open(os.path.join(proc_dir, "maps")) as f:
@@ -82,11 +85,20 @@ def shm_in_use() -> set[str]:
                     i = line.find("/dev/shm/")
                     if i >= 0:
                         used.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+                        fields = line.split()
+                        if len(fields) > 4 and fields[4].isdigit():
+                            inodes.add(int(fields[4]))
             for fd in os.listdir(os.path.join(proc_dir, "fd")):
                 target = os.readlink(os.path.join(proc_dir, "fd", fd))
                 if target.startswith("/dev/shm/"):
                     used.add(target)
         except OSError:  # gone meanwhile, or not ours to read
+            continue
+    for path in glob.glob("/dev/shm/*"):
+        try:
+            if os.stat(path).st_ino in inodes:
+                used.add(path)
+        except OSError:
             continue
     for path in glob.glob("/dev/shm/verl_tide_weights_*"):
         match = re.match(r"verl_tide_weights_(\d+)_", os.path.basename(path))
