@@ -33,9 +33,9 @@ from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_with_env_service
 
 
-# every_part: the engines' KV cache in blocks (16 tokens on vLLM-CPU): 512 tokens an engine, where a step's 8
-# trajectories of up to 224 tokens each need about 1,800
-EVERY_PART_KV_BLOCKS = 32
+# every_part: the engines' KV cache in blocks (128 tokens each on vLLM-CPU): 512 tokens an engine, about two
+# resident contexts of up to 240 tokens, where a step's 8 trajectories need about 1,800 in all
+EVERY_PART_KV_BLOCKS = 4
 
 
 def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
