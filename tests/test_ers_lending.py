@@ -29,6 +29,17 @@ def test_lend_when_the_expected_wait_exceeds_the_measured_round_trip_and_not_oth
     assert not d.lend and d.expected_wait_s == 0.0, d
 
 
+def test_no_lend_after_an_update_when_more_gpus_would_not_make_the_rollout_faster():
+    """The rollout waited for KV budget only 10% of its working time (it waits on its environments): the wait is
+    long, but the Actor's GPUs would not shorten it, and lending would cost the switch and the streaming."""
+    d = decide(inputs(ready=0, cost=1.0), Phase.TRAIN, seconds_per_unit=5.0, rollout_kv_bound=0.1, kv_bound_min=0.25)
+    assert not d.lend and "10% < 25%" in d.reason, d
+    assert decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0, rollout_kv_bound=0.3, kv_bound_min=0.25).lend
+    assert decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0, rollout_kv_bound=None, kv_bound_min=0.25).lend
+    # evaluation lends preemptively whatever the rollout's saturation
+    assert decide(inputs(ready=0), Phase.EVAL, 5.0, rollout_kv_bound=0.0, kv_bound_min=0.25).lend
+
+
 def test_unknown_rate_or_cost_lends_and_the_first_switch_measures_it():
     assert decide(inputs(cost=None), Phase.TRAIN, seconds_per_unit=0.1).lend
     assert decide(inputs(cost=5.0), Phase.TRAIN, seconds_per_unit=None).lend
@@ -78,7 +89,7 @@ def test_the_planner_decides_lending_from_the_signals_tprm_and_records_it_in_the
     lend_in = inputs(ready=0, cost=2.0)
     decided = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": lend_in}), lambda be: _signals(1.5),
                              {0: Role.ROLLOUT})
-    assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5) and decided.lend.lend  # 3 s > 2 s
+    assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5) and decided.lend.lend  # 3 s > 2 s, saturation unknown
     assert decided.summary()["lend"] == (True, decided.lend.return_at_units, decided.lend.reason)
     evaluation = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": inputs(ready=9, cost=2.0)}),
                                 lambda be: _signals(1.5), {0: Role.ROLLOUT}, phase=Phase.EVAL)

@@ -126,6 +126,11 @@ class ERSConfig:
     lend_actor: bool = field(default=False, metadata=_help(
         "the Actor's GPUs also roll out (verl's hybrid replicas) until a step has enough ready groups: the cold "
         "start, evaluations, waits inside a step; jobs without a Ref model"))
+    lend_kv_bound: float = field(
+        default=0.25, metadata=_check(lambda x: 0 <= x <= 1, "0 <= x <= 1",
+                                      "after an update, lend the Actor's GPUs only if the rollout waited for KV "
+                                      "budget at least this share of its working time (more GPUs would have run "
+                                      "that work; 0: whenever the wait pays for the switch)"))
     tau: float = field(
         default=1.0,
         metadata=_check(lambda x: x > 0, "> 0", "head-of-line threshold as a multiple of the mean step time"),

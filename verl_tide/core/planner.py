@@ -129,7 +129,9 @@ class BoundaryPlanner:
             plan = self.ers.plan(inputs.step, signals, roles, phase=phase, ref_outlook=outlook,
                                  elastic_ref=elastic_ref, ref_floor=ref_floor)
         choice = None if costs is None else self._choose(costs, inputs, replicas_after(inputs.replicas_up, plan))
-        lend = None if inputs.lending is None else lending.decide(inputs.lending, phase, signals.tprm_smoothed)
+        lend = None if inputs.lending is None else lending.decide(
+            inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
+            self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
         decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,
