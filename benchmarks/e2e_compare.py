@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=("demo", "every_part"), default="demo")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=4, help="prompts per step (data.train_batch_size)")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="prompts per step (data.train_batch_size; demo 4, every_part 6: 12 samples split over "
+                         "every trainer GPU count 3 fake GPUs allow)")
     ap.add_argument("--n", type=int, default=2, help="trajectories per prompt (GRPO group size)")
     ap.add_argument("--gpus", type=int, default=None, help="fake GPUs per job (demo 2, every_part 3)")
     ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     every_part = args.preset == "every_part"
     gpus = args.gpus or (3 if every_part else 2)
     latency = args.latency_scale if args.latency_scale is not None else (2.0 if every_part else 1.0)
-    job = demo_job(work, args.steps, args.batch, args.n, gpus)
+    job = demo_job(work, args.steps, args.batch or (6 if every_part else 4), args.n, gpus)
     extra: tuple[str, ...] = ()
     if every_part:
         job = replace(job, use_kl_loss=True)
