@@ -42,6 +42,13 @@ def test_goodput_is_tokens_over_the_wall_clock_from_the_first_rollout_request():
     assert r["goodput_after_step1_tok_s"] == pytest.approx(4000 / 40)  # step 1's line to the last
     assert [s["wall_s"] for s in r["steps"].values()] == [15.0, 35.0, 55.0]
     assert r["steps"][2]["reward"] == 0.2 and r["steps"][2]["rwt_s"] is None  # stock verl reports no RWT
+    assert r["steps"][2]["prefix_cache_hit_rate"] is None
+
+
+def test_the_hit_rate_is_the_mean_over_tides_rollout_engines():
+    line = _line(1, 1000, 0.1) + " - tide/engine/prefix_hit_rate/0:0.5 - tide/engine/prefix_hit_rate/1:0.7"
+    r = wall_clock_summary([(10.0, line)], started_unix=0.0, first_request_unix=5.0)
+    assert r["steps"][1]["prefix_cache_hit_rate"] == pytest.approx(0.6)
 
 
 def test_a_run_without_steps_or_requests_is_an_error_not_a_zero():

@@ -22,6 +22,7 @@ from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metric
 REWARD = "critic/score/mean"
 LENDING = "tide + lend_actor"
 _STEP = re.compile(r"step:(\d+) - ")
+HIT_RATE_PREFIX = "tide/engine/prefix_hit_rate/"
 
 # Per-step metrics each system reports where it has them (None where a system has no such number).
 REPORTED = {
@@ -32,7 +33,6 @@ REPORTED = {
     "twt_s": "tide/readiness/twt_s",
     "stale_dropped_groups": "tide/ledger/groups_dropped_stale",
     "evicted_samples": "training/off_policy/evicted_samples",
-    "prefix_cache_hit_rate": "tide/rollout/prefix_cache_hit_rate",
     "actor_lent_turns": "tide/ers/actor_lent_turns",
     "switch_wait_s": "timing_s/switch_wait",
     "kl_loss": "actor/kl_loss",
@@ -136,6 +136,7 @@ def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float
     per_step = {n: {name: steps[n].get(key) for name, key in REPORTED.items()} for n in done}
     for n in done:
         per_step[n]["wall_s"] = arrivals[n] - first_request_unix
+        per_step[n]["prefix_cache_hit_rate"] = _mean_hit_rate(steps[n])
     return {
         "startup_s": first_request_unix - started_unix,
         "wall_s": wall,
@@ -144,6 +145,13 @@ def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float
         "goodput_after_step1_tok_s": later_tokens / later_wall if later and later_wall > 0 else 0.0,
         "steps": per_step,
     }
+
+
+def _mean_hit_rate(step: dict[str, float]) -> float | None:
+    """The step's prefix-cache hit rate over trainer tide's rollout engines (`tide/engine/prefix_hit_rate/<rank>`,
+    from each engine's own /metrics); None where a system reports none."""
+    rates = [v for k, v in step.items() if k.startswith(HIT_RATE_PREFIX)]
+    return sum(rates) / len(rates) if rates else None
 
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:
