@@ -94,3 +94,13 @@ class OverlappedEvaluation:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def validation_buffer(config: Any, trainer_mode: str) -> Any:
+    """A verl replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+
+    return ReplayBufferAsync(
+        trainer_mode=trainer_mode, trainer_config=config.trainer.v1.get("separate_async", {}),
+        max_off_policy_threshold=None, max_off_policy_strategy="wait",
+        sampler_kwargs=config.trainer.v1.sampler.sampler_kwargs)

@@ -35,6 +35,19 @@ def observe_stage_times(timer: StageTimer, timing_raw: Mapping[str, float], step
         timer.observe("swap", 0, 0.0)
 
 
+def observe_ref_replicas(timer: StageTimer, timing: Mapping[str, Any], metrics: MutableMapping[str, Any],
+                         verls_ref_beside: bool) -> None:
+    """One replica's seconds per token ("ref_rank") from a pass on tide's Ref replicas; RA2P's t_ref too when no
+    verl Ref measures it."""
+    if timing["tokens"] <= 0:
+        return
+    timer.observe("ref_rank", int(timing["tokens"]), timing["seconds"] * timing["replicas"])
+    if not verls_ref_beside:
+        timer.observe("ref", int(timing["tokens"]), timing["seconds"])
+    metrics["tide/ra2p/ref_worker_s"] = metrics.get("tide/ra2p/ref_worker_s", 0.0) + timing["seconds"]
+    metrics["tide/ra2p/ref_replicas_used"] = timing["replicas"]
+
+
 def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_batch: int, step_tokens: int,
                     timer: StageTimer, actor_ranks: int, fixed_ref_ranks: int, roles: Mapping[int, Role],
                     replicas_up: int, ref_beside_actor: bool, uses_ref: bool,

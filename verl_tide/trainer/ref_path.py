@@ -26,6 +26,7 @@ from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split
                                         window_groups_left)
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.ra2p.handoff import SampleIds
+from verl_tide.trainer.boundary import observe_ref_replicas
 from verl_tide.trainer.verl_compat import dispatch_layout
 
 SWAP_MEASURE_EVERY = 10  # steps between two measurements of the Ref<->Actor swap (each costs a swap pair)
@@ -347,7 +348,7 @@ class RefPath:
         if self.replicas_up() and on_replicas is None:
             pending = self.pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
                                       service_name=self.service_name if self.handoff else None)
-            self._observe_replicas(self.pool.finish(pending), metrics)
+            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
             return
         from transfer_queue import KVBatchMeta
 
@@ -374,10 +375,10 @@ class RefPath:
         if self.in_flight is not None:
             pending, started = self.in_flight
             self.in_flight = None
-            self._observe_replicas(self.pool.finish(pending), metrics)
+            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
             metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
         for pending in self.split_pending:  # split mode: the replicas' shares of this update's passes
-            self._observe_replicas(self.pool.finish(pending), metrics)
+            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
         self.split_pending = []
         # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.
         released = self.sample_ids.release(batch.keys) + self.released_ids
@@ -395,29 +396,3 @@ class RefPath:
         kl = ray.get(self.service.take_kl.remote())
         if kl is not None:  # verl's own metric, which its loss cannot report when the KL term is deferred
             metrics["actor/kl_loss"] = kl
-
-    def _observe_replicas(self, timing: dict, metrics: dict) -> None:
-        if timing["tokens"] > 0:  # measured on the Ref replicas
-            # one replica's seconds per token ("ref_rank"); RA2P's t_ref too when no verl Ref measures it
-            self.stage_timer.observe("ref_rank", int(timing["tokens"]), timing["seconds"] * timing["replicas"])
-            if not self.verls_ref_beside_replicas():
-                self.stage_timer.observe("ref", int(timing["tokens"]), timing["seconds"])
-            metrics["tide/ra2p/ref_worker_s"] = metrics.get("tide/ra2p/ref_worker_s", 0.0) + timing["seconds"]
-            metrics["tide/ra2p/ref_replicas_used"] = timing["replicas"]
-
-    def text(self, uses_ref: bool) -> str:
-        if not uses_ref:
-            return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
-        c = self.aggregator.counters
-        passes = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
-                  f"{c.batches_without_ref_pass} mini-batches needed none")
-        mode = self.tide_config.ra2p.mode
-        if mode != "auto":
-            chosen = f"{mode} (tide.ra2p.mode)"
-        else:
-            chosen = "measuring stage times" if self.planner.mode is None else f"{self.planner.mode.value} chosen"
-        if self.step_mode() is RA2PMode.SPLIT:
-            chosen += f", replicas' share {self.split_share():.0%}"
-        if self.pool is None:
-            return f"{chosen}; colocated with verl's Ref ({passes})"
-        return f"{chosen}; next step runs {self.step_mode().value} ({self.replicas_up()} Ref replica(s); {passes})"

@@ -10,14 +10,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import Role
+from verl_tide.ra2p.cost import RA2PMode
 from verl_tide.trainer.lending import lent_metrics
 from verl_tide.trainer.verl_compat import load_balancer
+
+if TYPE_CHECKING:
+    from verl_tide.trainer.ref_path import RefPath
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +183,22 @@ def ledger_text(ledger: GoodputLedger) -> str:
     return (f"{ledger.groups[Outcome.CONSUMED]} consumed, {ledger.groups[Outcome.DROPPED_STALE]} stale, "
             f"{ledger.groups[Outcome.DROPPED_FILTERED]} filtered, {ledger.groups[Outcome.DROPPED_FAILED]} failed, "
             f"{ledger.in_flight_groups} in flight (groups); goodput {ledger.goodput():.1f} tok/s")
+
+
+def ra2p_text(ref: RefPath, uses_ref: bool) -> str:
+    """RA2P's part of the step's log line: the mode chosen, the next step's, and the aggregation counters."""
+    if not uses_ref:
+        return "off (no Ref model: use_kl_loss and use_kl_in_reward are false)"
+    c = ref.aggregator.counters
+    passes = (f"{c.bursts} Ref passes, {c.samples_ahead} samples scored ahead, "
+              f"{c.batches_without_ref_pass} mini-batches needed none")
+    mode = ref.tide_config.ra2p.mode
+    if mode != "auto":
+        chosen = f"{mode} (tide.ra2p.mode)"
+    else:
+        chosen = "measuring stage times" if ref.planner.mode is None else f"{ref.planner.mode.value} chosen"
+    if ref.step_mode() is RA2PMode.SPLIT:
+        chosen += f", replicas' share {ref.split_share():.0%}"
+    if ref.pool is None:
+        return f"{chosen}; colocated with verl's Ref ({passes})"
+    return f"{chosen}; next step runs {ref.step_mode().value} ({ref.replicas_up()} Ref replica(s); {passes})"

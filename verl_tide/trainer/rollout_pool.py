@@ -70,3 +70,18 @@ def build(config: Any, tide_config: Any, actor_wg: Any, start_rank: int, ref_poo
             print("verl-tide: elastic ranks on; actor_rollout_ref.rollout.free_cache_engine = false keeps a Ref-role "
                   "rank's KV cache allocated beside its Ref replica (set it true on GPUs)", flush=True)
     return pool
+
+
+def ctb_state(manager: Any) -> dict:
+    """CTB's router state (counters, group probes) for tide's checkpoint."""
+    import ray
+
+    return ray.get(verl_compat.load_balancer(manager).get_state.remote(), timeout=60)
+
+
+def restore_ctb(manager: Any, state: dict) -> None:
+    import ray
+
+    ray.get(verl_compat.load_balancer(manager).load_state.remote(state), timeout=60)
+    print(f"verl-tide: CTB state restored ({state['scheduler']['counters']['admissions']} admissions so far, "
+          f"first-turn footprints of {len(state['scheduler']['group_probe'])} groups)", flush=True)

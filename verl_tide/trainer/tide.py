@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
 
@@ -33,13 +32,13 @@ from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.policy import Phase, Role
-from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
+from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, validation_buffer
 from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
-from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text
+from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text, ra2p_text
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -186,11 +185,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     # ---- checkpoint and resume ---------------------------------------------------------------
     def _save_checkpoint(self):
         super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
-        ctb = None
-        if self.tide_config.ctb.enabled:
-            import ray
-
-            ctb = ray.get(verl_compat.load_balancer(self.standalone_server_manager).get_state.remote(), timeout=60)
+        ctb = rollout_pool.ctb_state(self.standalone_server_manager) if self.tide_config.ctb.enabled else None
         checkpoint.save_state(self.config.trainer, self.global_steps, checkpoint.tide_state(
             self.global_steps, self.ledger, ctb, self.planner.ers, self.rollout_roles, self.ref.aggregator))
 
@@ -209,13 +204,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _restore_ctb_and_roles(self) -> None:
         state = self._restored or {}
         if state.get("ctb") and self.tide_config.ctb.enabled:
-            import ray
-
-            ray.get(verl_compat.load_balancer(self.standalone_server_manager).load_state.remote(state["ctb"]),
-                    timeout=60)
-            print(f"verl-tide: CTB state restored ({state['ctb']['scheduler']['counters']['admissions']} admissions "
-                  f"so far, first-turn footprints of {len(state['ctb']['scheduler']['group_probe'])} groups)",
-                  flush=True)
+            rollout_pool.restore_ctb(self.standalone_server_manager, state["ctb"])
         moves = checkpoint.moves_to_restore(checkpoint.roles_of(state), self.rollout_roles, self.elastic is not None)
         if moves:
             elastic_setup.switch_to_ref_at_start(self.elastic, moves, self.rollout_roles)
@@ -253,13 +242,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return n
 
     # ---- evaluation --------------------------------------------------------------------------
-    def _validation_buffer(self) -> ReplayBufferAsync:
-        """A replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
-        sampler = self.config.trainer.v1.sampler
-        return ReplayBufferAsync(
-            trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
-            max_off_policy_threshold=None, max_off_policy_strategy="wait", sampler_kwargs=sampler.sampler_kwargs)
-
     def _validate(self):
         """Before training and after the last step: verl's blocking validation. In between (trainer.test_freq),
         with tide.overlap_eval: started now on this step's weights, collected before the next weight sync."""
@@ -284,8 +266,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
                   "(reward.num_workers = 0), which verl's validation puts to sleep; set reward workers to overlap",
                   flush=True)
             return
-        self.overlapped_eval = OverlappedEvaluation(validate=verl_compat.blocking_validate,
-                                                    make_buffer=self._validation_buffer, clock=self.clock)
+        self.overlapped_eval = OverlappedEvaluation(
+            validate=verl_compat.blocking_validate, clock=self.clock,
+            make_buffer=lambda: validation_buffer(self.config, self.trainer_mode))
 
     def on_step_begin(self):
         self.health.check(self.rollout_roles)
@@ -411,7 +394,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         applied, note = boundary.apply_plan(plan, self.planner.ers, self.elastic, self.rollout_roles,
                                             self.global_steps >= self.total_training_steps)
         print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({note}); RA2P: "
-              f"{self.ref.text(self.use_reference_policy)}; ledger: {ledger_text(self.ledger)}", flush=True)
+              f"{ra2p_text(self.ref, self.use_reference_policy)}; ledger: {ledger_text(self.ledger)}", flush=True)
         m = boundary.roles_metrics(applied, self.rollout_roles)
         if self.ref.pool is not None:
             m["tide/ra2p/ref_replicas"] = float(self.ref.replicas_up())
