@@ -45,9 +45,14 @@ def test_unknown_rate_or_cost_lends_and_the_first_switch_measures_it():
     assert decide(inputs(cost=5.0), Phase.TRAIN, seconds_per_unit=None).lend
 
 
-def test_evaluation_lends_preemptively_and_the_last_step_never_lends():
-    d = decide(inputs(ready=10, cost=100.0), Phase.EVAL, seconds_per_unit=0.01)
+def test_evaluation_lends_preemptively_unless_a_mini_batch_is_ready_and_the_last_step_never_lends():
+    d = decide(inputs(ready=1, cost=100.0), Phase.EVAL, seconds_per_unit=0.01)  # the wait would not pay: lends
     assert d.lend and "eval" in d.reason
+    # a mini-batch ready: the Actor trains while the evaluation runs on the rollout ranks (the simulator's
+    # 100-step WebShop run lost 4% goodput lending then)
+    d = decide(inputs(ready=2, cost=0.0), Phase.EVAL, seconds_per_unit=10.0)
+    assert not d.lend and "a mini-batch can train" in d.reason, d
+    assert decide(inputs(ready=0), Phase.COLD_START, seconds_per_unit=None).lend
     assert not decide(inputs(last=True), Phase.EVAL, seconds_per_unit=10.0).lend
 
 
@@ -91,9 +96,9 @@ def test_the_planner_decides_lending_from_the_signals_tprm_and_records_it_in_the
                              {0: Role.ROLLOUT})
     assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5) and decided.lend.lend  # 3 s > 2 s, saturation unknown
     assert decided.summary()["lend"] == (True, decided.lend.return_at_units, decided.lend.reason)
-    evaluation = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": inputs(ready=9, cost=2.0)}),
-                                lambda be: _signals(1.5), {0: Role.ROLLOUT}, phase=Phase.EVAL)
-    assert evaluation.lend.lend
+    evaluation = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": inputs(ready=1, cost=2.0)}),
+                                lambda be: _signals(0.1), {0: Role.ROLLOUT}, phase=Phase.EVAL)
+    assert evaluation.lend.lend  # 0.1 s of waiting < the 2 s switch, but an evaluation is coming
 
 
 def test_the_hybrid_switch_hooks_lending_relies_on_exist_in_verl_and_a_missing_one_is_named():

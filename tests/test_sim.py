@@ -157,15 +157,23 @@ def test_lend_actor_rolls_out_on_the_actors_gpus_from_the_start_and_as_ers_decid
     _trajectory_conservation(lend)
 
 
-def test_lend_actor_lends_before_every_evaluation():
+def test_lend_actor_lends_for_an_evaluation_unless_a_mini_batch_is_ready():
+    """Seeds 3 and 0 of the tiny workload on 8 GPUs: before the step-3 evaluation a mini-batch is ready (the
+    Actor trains beside the evaluation) and is not (lent), each through the planner's rule."""
     w = load_workload(TINY)  # evaluation every 3 steps
-    sim = Simulation(w, 8, replace(TIDE, lend_actor=True), seed=3)
-    sim.run()
     evals = [step for step in range(1, w.steps) if w.is_eval_step(step)]
     assert evals, w.eval
-    for step, lent, why in sim.lend_decisions:
-        assert lent == (step in evals or (lent and "eval" not in why)), (step, lent, why)
-        assert (step in evals) == ("eval" in why), (step, why)
+    at_eval = {}
+    for seed in (3, 0):
+        sim = Simulation(w, 8, replace(TIDE, lend_actor=True), seed=seed)
+        sim.run()
+        for step, lent, why in sim.lend_decisions:
+            ready = "a mini-batch can train" in why
+            assert not (lent and ready), (step, lent, why)
+            if step in evals:
+                assert lent == ("eval" in why) != ready, (seed, step, why)
+                at_eval[seed] = lent
+    assert at_eval == {3: False, 0: True}
 
 
 def test_same_seed_same_result_other_seed_differs():

@@ -6,7 +6,9 @@ evaluations and the waits inside steps that start with too little ready data. Th
 ask this module through `BoundaryPlanner.decide` (one decision path); trainer `tide` hands the answer to
 verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replicas.
 
-- Cold start and evaluation: lend preemptively (generation dominates), as ERS's rank moves do.
+- Cold start and evaluation: lend preemptively (generation dominates), as ERS's rank moves do, unless a
+  mini-batch is ready: then the Actor has work, and an overlapped evaluation runs beside it (found in the
+  simulator: over 100 WebShop steps, lending for every evaluation while data was ready cost 4% goodput).
 - After an update: lend when the expected wait for the next step's first mini-batch (the units still missing
   times the measured time per ready unit, TPRM) exceeds the measured switch round trip (to rollout and back),
   and the rollout was saturated: work waited for KV budget at least `tide.ers.lend_kv_bound` of its working
@@ -73,11 +75,11 @@ def decide(inputs: LendingInputs, phase: Phase, seconds_per_unit: Optional[float
     back_at = return_threshold(inputs, seconds_per_unit)
     if inputs.last_step:
         return LendDecision(False, back_at, None, "the last step: nothing to train after it")
-    if phase is not Phase.TRAIN:
-        return LendDecision(True, back_at, None, f"{phase.value}: generation dominates, lend preemptively")
     missing = max(0, inputs.units_per_mini_batch - inputs.ready_units)
     if missing == 0:
         return LendDecision(False, back_at, 0.0, f"{inputs.ready_units} units ready: a mini-batch can train")
+    if phase is not Phase.TRAIN:
+        return LendDecision(True, back_at, None, f"{phase.value}: generation dominates, lend preemptively")
     if seconds_per_unit is None:
         return LendDecision(True, back_at, None, f"{missing} units missing, no arrival rate measured yet")
     wait = missing * seconds_per_unit

@@ -245,13 +245,21 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _validate(self):
         """Before training and after the last step: verl's blocking validation. In between (trainer.test_freq),
         with tide.overlap_eval: started now on this step's weights, collected before the next weight sync."""
-        last = self.global_steps >= self.total_training_steps
-        if self.overlapped_eval is None or not self._training or last:
+        if not self._overlaps_evaluation():
             return super()._validate()
         self.overlapped_eval.start(self, self.global_steps)
         print(f"verl-tide step {self.global_steps}: evaluation runs during step {self.global_steps + 1}'s rollout "
               f"(step-{self.global_steps} weights); its metrics come with step {self.global_steps + 1}", flush=True)
         return {}
+
+    def _overlaps_evaluation(self) -> bool:
+        return self.overlapped_eval is not None and self._training and self.global_steps < self.total_training_steps
+
+    def on_validate_begin(self):
+        """verl lends the Actor's replica to every validation; an overlapped one runs beside training, and ERS
+        decided at the boundary whether the replica rolls out (`tide.ers.lend_actor`)."""
+        if not self._overlaps_evaluation():
+            super().on_validate_begin()
 
     # ---- the loop's hooks --------------------------------------------------------------------
     def on_train_begin(self):
