@@ -59,3 +59,37 @@ def test_the_buffer_counts_every_group_transfer_queue_holds_for_training(buffer)
     assert buffer.ledger.check(buffer.groups_held()) is None
     buffer.ledger.groups_submitted(1)  # a group the buffer never saw: the check says so
     assert buffer.ledger.check(buffer.groups_held()) is not None
+
+
+def test_the_trainer_looks_for_ready_groups_every_sample_poll_s_not_verls_two_seconds(monkeypatch):
+    """verl's buffer sleeps `poll_interval` (2 s by default) between looks at TransferQueue: a mini-batch ready
+    just after a look waited up to 2 s. Trainer tide passes `tide.sample_poll_s`; group "b" finishes at the third
+    look and the sampler returns at that look."""
+    import verl.trainer.ppo.v1.replay_buffer as verl_buffer
+
+    from verl_tide.buffer import TideReplayBuffer
+    from verl_tide.core.config import TideConfig
+    from verl_tide.core.ledger import GoodputLedger
+    from verl_tide.core.readiness import ReadinessTracker
+
+    looks, sleeps = [], []
+
+    def listing():
+        looks.append(1)
+        data = _listing()
+        del data["train"]["d"]  # a failed group would be evicted (a TransferQueue call this test has no server for)
+        if len(looks) >= 3:
+            data["train"]["b"]["status"] = "finished"
+        return data
+
+    monkeypatch.setattr(verl_buffer.tq, "kv_list", listing)
+    monkeypatch.setattr(verl_buffer.time, "sleep", sleeps.append)
+    clock = lambda: 100.0  # noqa: E731
+    poll = TideConfig().sample_poll_s
+    buffer = TideReplayBuffer(readiness=ReadinessTracker(clock=clock), ledger=GoodputLedger(clock=clock),
+                              clock=clock, trainer_mode="separate_async", trainer_config={},
+                              max_off_policy_threshold=2, max_off_policy_strategy="drop", sampler_kwargs={},
+                              train_batch_size=4, poll_interval=poll)
+    ready, _ = buffer.wait_for_sampleable(1, "train", 2)
+    assert ready == {"a", "b"} and len(looks) == 3
+    assert sleeps == [poll, poll] and poll < 2.0 / 4

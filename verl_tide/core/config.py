@@ -221,6 +221,10 @@ class TideConfig:
         default=2, metadata=_check(lambda x: x >= 0, ">= 0", "times a quarantined rollout rank's server is "
                                    "relaunched (in the background; it rejoins at a weight sync); 0 = never")
     )
+    sample_poll_s: float = field(
+        default=0.2, metadata=_check(lambda x: 0 < x <= 10, "> 0 and <= 10", "seconds between two looks of the "
+                                     "trainer's sampler at TransferQueue for ready groups (verl's own: 2 s)")
+    )
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)

@@ -118,6 +118,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             filter_groups_metric=self._resolve_filter_groups_metric(),
             sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
             train_batch_size=int(self.config.data.train_batch_size),
+            # a mini-batch trains as soon as it is ready: verl's 2 s poll would delay each by up to that long
+            poll_interval=self.tide_config.sample_poll_s,
         )
         buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
         if self.tide_config.ctb.enabled:
