@@ -27,8 +27,8 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from verl_tide.testing.compare import (REWARD, best_stock, is_tide, job_overrides, mechanisms, systems,
-                                       wall_clock_summary)
+from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, is_tide, job_overrides, mechanisms,
+                                       over_repeats, run_order, systems, wall_clock_summary)
 from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_with_env_service
 
@@ -40,6 +40,7 @@ EVERY_PART_KV_BLOCKS = 4
 
 def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
                extra: tuple[str, ...] = ()) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
     lines: list[tuple[float, str]] = []
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
     started = time.time()
@@ -70,6 +71,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds over every system, the order reversed every other round; each system's result is "
+                         "its median-goodput run, with every run's goodput beside it")
+    ap.add_argument("--attribution", action="store_true",
+                    help=f"also run '{POLL_AS_VERL}' (tide.sample_poll_s=2: how much of tide's number is its "
+                         "faster look for ready groups)")
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
@@ -83,26 +90,32 @@ def main(argv: list[str] | None = None) -> int:
         job = replace(job, use_kl_loss=True)
         extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
                  "trainer.test_freq=3")
-    results: dict[str, dict] = {}
-    ran = [s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1)
-           if not args.only or any(o in s.name for o in args.only)]
-    for system in ran:
-        print(f"[compare] {system.name}: {len(system.overrides)} overrides on the job's own", flush=True)
-        results[system.name] = run_system(system, job, work, latency, args.timeout, extra)
-        r = results[system.name]
-        print(f"[compare] {system.name}: " + (f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall "
-                                               f"(start-up {r['startup_s']:.1f} s)" if r["returncode"] == 0
-                                               else f"FAILED (exit {r['returncode']})"), flush=True)
+    ran = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1,
+                                      attribution=args.attribution)
+           if not args.only or any(o in s.name for o in args.only)}
+    runs: dict[str, list[dict]] = {name: [] for name in ran}
+    for round_index in range(max(1, args.repeats)):
+        for name in run_order(list(ran), round_index):
+            system = ran[name]
+            print(f"[compare] round {round_index + 1}: {name}: {len(system.overrides)} overrides on the job's own",
+                  flush=True)
+            r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra)
+            runs[name].append(r)
+            print(f"[compare] round {round_index + 1}: {name}: " + (
+                f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
+                if r["returncode"] == 0 else f"FAILED (exit {r['returncode']})"), flush=True)
+    results: dict[str, dict] = {name: over_repeats(rs) for name, rs in runs.items()}
 
     print(f"\n{'system':>44} | {'start-up s':>10} | {'wall s':>7} | {'tokens':>7} | {'goodput tok/s':>13} | "
-          f"{'(steps 2+)':>10} | rewards per step")
+          f"{'(steps 2+)':>10} | {'every run':>17} | rewards per step")
     for name, r in results.items():
         if r["returncode"] != 0:
             print(f"{name:>44} | failed (exit {r['returncode']})")
             continue
         rewards = " ".join(f"{s['reward']:.3f}" if s["reward"] is not None else "-" for s in r["steps"].values())
+        every = "/".join(f"{g:.0f}" for g in r["goodput_runs"])
         print(f"{name:>44} | {r['startup_s']:>10.1f} | {r['wall_s']:>7.1f} | {r['tokens']:>7.0f} | "
-              f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {rewards}")
+              f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {every:>17} | {rewards}")
     finished = {k: v for k, v in results.items() if v["returncode"] == 0}
     for name in (n for n in finished if is_tide(n)):
         print(f"{name}: mechanisms that acted: " + ", ".join(f"{k} {v:g}" for k, v in
@@ -127,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "preset": args.preset,
                                               "clock": "first /start to the last step's metrics line",
+                                              "repeats": max(1, args.repeats),
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
 

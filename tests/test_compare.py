@@ -87,3 +87,24 @@ def test_mechanisms_say_what_acted_over_a_run():
                                  "ra2p_split_steps": 1.0, "ers_moves": 2.0, "ers_steps_with_ref_ranks": 1.0,
                                  "prefix_cache_hit_rate_mean": 0.5}
     assert mechanisms({}) == {}
+
+
+def test_attribution_adds_tide_with_verls_sampler_poll_and_it_is_not_stock():
+    from verl_tide.testing.compare import POLL_AS_VERL, is_tide
+
+    by_name = {s.name: s for s in systems(_job(2), attribution=True)}
+    poll = by_name[POLL_AS_VERL]
+    assert set(poll.overrides) - set(by_name["tide"].overrides) == {"tide.sample_poll_s=2.0"}
+    assert is_tide(POLL_AS_VERL) and POLL_AS_VERL not in {s.name for s in systems(_job(2))}
+
+
+def test_repeats_alternate_the_order_and_report_the_median_run_with_the_spread():
+    from verl_tide.testing.compare import over_repeats, run_order
+
+    assert run_order(["a", "b", "c"], 0) == ["a", "b", "c"] and run_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    runs = [{"returncode": 0, "goodput_tok_s": g, "goodput_after_step1_tok_s": g * 2, "startup_s": 90.0, "id": i}
+            for i, g in enumerate([300.0, 100.0, 200.0])]
+    r = over_repeats(runs)
+    assert r["id"] == 2 and r["goodput_tok_s"] == 200.0  # the median run, whole
+    assert r["goodput_runs"] == [300.0, 100.0, 200.0] and (r["goodput_min"], r["goodput_max"]) == (100.0, 300.0)
+    assert over_repeats([runs[0], {"returncode": 1, "error": "x"}])["returncode"] == 1  # a failure is not hidden

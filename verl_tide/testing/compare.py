@@ -55,10 +55,15 @@ class System:
     rollout_gpus: int  # fake GPUs that roll out (all of them for hybrid engines)
 
 
-def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1) -> list[System]:
+POLL_AS_VERL = "tide, verl's 2 s sampler poll"
+
+
+def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
+            attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
     `tide_rollout_gpus` of them. Lending the Actor's GPU is left out for a job with a Ref model (trainer tide
-    refuses that combination)."""
+    refuses that combination). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`),
+    to say how much of tide's number its faster look at TransferQueue is."""
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
     out = [
         System("verl sync", (), job.n_gpus),
@@ -81,6 +86,8 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1) ->
                               rollout))
     tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus), f"tide.max_staleness={max_staleness}")
     out.append(System("tide", tide, tide_rollout_gpus))
+    if attribution:
+        out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_rollout_gpus))
     if not job.use_kl_loss:  # ERS lending the Actor's GPUs to rollout (verl's hybrid replica; not the default yet)
         out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
@@ -152,6 +159,26 @@ def _mean_hit_rate(step: dict[str, float]) -> float | None:
     from each engine's own /metrics); None where a system reports none."""
     rates = [v for k, v in step.items() if k.startswith(HIT_RATE_PREFIX)]
     return sum(rates) / len(rates) if rates else None
+
+
+def run_order(names: list[str], round_index: int) -> list[str]:
+    """Round r runs the systems in order, r+1 in reverse: no system always starts on a machine the one before
+    it warmed (page cache, CPU frequency)."""
+    return list(names) if round_index % 2 == 0 else list(reversed(names))
+
+
+def over_repeats(runs: list[dict]) -> dict:
+    """One system's repeats as one result: the run with the median goodput (its steps and curves), and every
+    run's goodput with the spread. A failed run fails the system."""
+    failed = [r for r in runs if r.get("returncode") != 0]
+    if failed:
+        return failed[0]
+    ranked = sorted(runs, key=lambda r: r["goodput_tok_s"])
+    median = ranked[(len(ranked) - 1) // 2]
+    goodputs = [r["goodput_tok_s"] for r in runs]
+    return {**median, "goodput_runs": goodputs, "goodput_min": min(goodputs), "goodput_max": max(goodputs),
+            "goodput_after_step1_runs": [r["goodput_after_step1_tok_s"] for r in runs],
+            "startup_runs_s": [r["startup_s"] for r in runs]}
 
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:
