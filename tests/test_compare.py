@@ -96,6 +96,21 @@ def test_attribution_adds_tide_with_verls_sampler_poll_and_it_is_not_stock():
     poll = by_name[POLL_AS_VERL]
     assert set(poll.overrides) - set(by_name["tide"].overrides) == {"tide.sample_poll_s=2.0"}
     assert is_tide(POLL_AS_VERL) and POLL_AS_VERL not in {s.name for s in systems(_job(2))}
+    # and stock verl with the same 0.2 s poll through verl's custom-sampler keys: a what-if, never "best stock"
+    fast = by_name["what-if: verl colocate_async, 0.2 s poll"]
+    keys = dict(o.split("=", 1) for o in fast.overrides)
+    assert keys["trainer.v1.sampler.custom_sampler.name"] == "FastPollReplayBufferAsync"
+    assert set(by_name["verl colocate_async"].overrides) < set(fast.overrides)
+    from verl.utils.import_utils import load_extern_type
+
+    cls = load_extern_type(keys["trainer.v1.sampler.custom_sampler.path"], "FastPollReplayBufferAsync")
+    # built with the keyword arguments verl passes a custom sampler (trainer_base._build_replay_buffer)
+    buffer = cls(trainer_mode="colocate_async", trainer_config={}, max_off_policy_threshold=1,
+                 max_off_policy_strategy="drop", sampler_kwargs={}, refill_fn=None)
+    assert buffer.poll_interval == 0.2
+    results = {"verl sync": {"goodput_tok_s": 100.0}, "what-if: verl sync, 0.2 s poll": {"goodput_tok_s": 150.0},
+               "tide": {"goodput_tok_s": 200.0}}
+    assert best_stock(results) == ("verl sync", 100.0)
 
 
 def test_repeats_alternate_the_order_and_report_the_median_run_with_the_spread():

@@ -56,19 +56,28 @@ class System:
 
 
 POLL_AS_VERL = "tide, verl's 2 s sampler poll"
+WHAT_IF = "what-if: "  # not a mode a user picks: stock verl plus user code (never the "best stock" baseline)
+
+
+def fast_poll_overrides(trainer_mode: str) -> tuple[str, ...]:
+    """verl's replay buffer with tide's 0.2 s poll, through verl's custom-sampler keys (`poll_sampler.py`)."""
+    from verl_tide.testing import poll_sampler
+
+    name = "FastPollReplayBuffer" if trainer_mode == "sync" else "FastPollReplayBufferAsync"
+    return (f"trainer.v1.sampler.custom_sampler.path={poll_sampler.__file__}",
+            f"trainer.v1.sampler.custom_sampler.name={name}")
 
 
 def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
     `tide_rollout_gpus` of them. Lending the Actor's GPU is left out for a job with a Ref model (trainer tide
-    refuses that combination). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`),
-    to say how much of tide's number its faster look at TransferQueue is."""
+    refuses that combination). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`)
+    and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
+    tide's number its faster look at TransferQueue is."""
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
-    out = [
-        System("verl sync", (), job.n_gpus),
-        System("verl colocate_async", ("trainer.v1.trainer_mode=colocate_async", sync_every_step), job.n_gpus),
-    ]
+    colocate = ("trainer.v1.trainer_mode=colocate_async", sync_every_step)
+    out = [System("verl sync", (), job.n_gpus), System("verl colocate_async", colocate, job.n_gpus)]
     for rollout in range(1, job.n_gpus):  # every split the fake GPUs allow: at least one of each
         split = [
             "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.hybrid_engine=true",
@@ -88,6 +97,9 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
     out.append(System("tide", tide, tide_rollout_gpus))
     if attribution:
         out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_rollout_gpus))
+        out.append(System(f"{WHAT_IF}verl sync, 0.2 s poll", fast_poll_overrides("sync"), job.n_gpus))
+        out.append(System(f"{WHAT_IF}verl colocate_async, 0.2 s poll",
+                          (*colocate, *fast_poll_overrides("colocate_async")), job.n_gpus))
     if not job.use_kl_loss:  # ERS lending the Actor's GPUs to rollout (verl's hybrid replica; not the default yet)
         out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
@@ -183,7 +195,8 @@ def over_repeats(runs: list[dict]) -> dict:
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:
     """The stock verl system with the highest wall-clock goodput, and that goodput."""
-    stock = {name: r["goodput_tok_s"] for name, r in results.items() if not is_tide(name) and "goodput_tok_s" in r}
+    stock = {name: r["goodput_tok_s"] for name, r in results.items()
+             if not is_tide(name) and not name.startswith(WHAT_IF) and "goodput_tok_s" in r}
     if not stock:
         raise ValueError("no stock verl system finished: nothing to compare tide with")
     name = max(stock, key=stock.__getitem__)
