@@ -72,6 +72,14 @@ def switch_to_ref_at_start(elastic: Any, moves: list[RankMove], roles: MutableMa
     elastic.after_sync()
 
 
+def start_elastic_ref_ranks(tide: TideConfig, elastic: Any, roles: MutableMapping[int, Role]) -> None:
+    """Ref on elastic ranks only (tide.ra2p.ref_ranks = 0): the first ranks switch to Ref before step 1."""
+    switch_to_ref_at_start(elastic, initial_ref_moves(tide, roles), roles)
+    beside = " beside verl's Ref (split)" if tide.ra2p.mode == "split" else " only"
+    print(f"verl-tide: Ref runs on elastic ranks{beside} (tide.ra2p.ref_ranks = 0): rank(s) "
+          f"{sorted(r for r, role in roles.items() if role is Role.REF)} start as Ref", flush=True)
+
+
 def elastic_ref_options(replica: Any) -> dict[str, Any]:
     """Where an elastic Ref replica runs: the rollout replica's first placement-group bundle (its GPU), taking
     the device share verl's rollout worker leaves free there (1 / max_colocate_count)."""

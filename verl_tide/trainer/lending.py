@@ -69,6 +69,17 @@ def lending_inputs(ready_groups: int, groups_per_mini_batch: int, mini_batches: 
                          train_s_per_mini_batch=per_mini_batch, last_step=last_step)
 
 
+def inputs_after_update(trainer: Any) -> LendingInputs:
+    """`lending_inputs` from trainer `tide` after an update (verl 0.9.1's replay buffer and timers)."""
+    from verl_tide.trainer import verl_compat
+
+    return lending_inputs(
+        trainer.replay_buffer.get_sampleable_count(trainer.global_steps + 1, "train"),
+        trainer._groups_per_mini_batch, trainer.parameter_sync_step, verl_compat.switch_round_trip_s(trainer),
+        verl_compat.step_timing(trainer), trainer._window_mini_batches,
+        trainer.global_steps >= trainer.total_training_steps)
+
+
 def decision_metrics(lend: LendDecision) -> dict[str, float]:
     """What each step logs of ERS's lending decision (verl's own name for the switch too)."""
     m = {"tide/ers/lend_actor": float(lend.lend), "tide/ers/lend_return_at_groups": float(lend.return_at_units),

@@ -158,7 +158,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._start_rollout_pool()
         self._restore_ctb_and_roles()
         if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0:
-            self._start_elastic_ref_ranks()
+            elastic_setup.start_elastic_ref_ranks(self.tide_config, self.elastic, self.rollout_roles)
         if self.tide_config.metrics.enabled:
             from verl_tide.metrics import TideMetrics
 
@@ -176,13 +176,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if self._enable_hybrid_replicas:  # lent from the start: the cold start is the first wait
             self.current_mode = HybridEngineMode.ROLLOUT
             self.add_replicas_to_balancer()
-
-    def _start_elastic_ref_ranks(self) -> None:
-        moves = elastic_setup.initial_ref_moves(self.tide_config, self.rollout_roles)
-        elastic_setup.switch_to_ref_at_start(self.elastic, moves, self.rollout_roles)
-        beside = " beside verl's Ref (split)" if self.tide_config.ra2p.mode == "split" else " only"
-        print(f"verl-tide: Ref runs on elastic ranks{beside} (tide.ra2p.ref_ranks = 0): rank(s) "
-              f"{sorted(r for r, role in self.rollout_roles.items() if role is Role.REF)} start as Ref", flush=True)
 
     # ---- checkpoint and resume ---------------------------------------------------------------
     def _save_checkpoint(self):
@@ -358,7 +351,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
             self.stage_timer, max(1, self.actor_rollout_wg.world_size), self.tide_config.ra2p.ref_ranks,
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
-            bool(self.use_reference_policy), self._lending_inputs())
+            bool(self.use_reference_policy),
+            lending.inputs_after_update(self) if self._enable_hybrid_replicas else None)
         tide = self.tide_config
         decision = self.planner.decide(
             inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
@@ -389,15 +383,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
         m.update(self.report.engine_hit_rates(self.quarantined))
         return m, plan, signals
-
-    def _lending_inputs(self):
-        """ERS's lending inputs after this update (None without tide.ers.lend_actor)."""
-        if not self._enable_hybrid_replicas:
-            return None
-        return lending.lending_inputs(
-            self.replay_buffer.get_sampleable_count(self.global_steps + 1, "train"), self._groups_per_mini_batch,
-            self.parameter_sync_step, verl_compat.switch_round_trip_s(self), verl_compat.step_timing(self),
-            self._window_mini_batches, self.global_steps >= self.total_training_steps)
 
     def _apply_plan(self, plan, signals) -> dict[str, Any]:
         """Move the plan's ranks (before the weight sync) and report roles and RA2P's next mode after it."""
