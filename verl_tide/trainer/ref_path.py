@@ -348,7 +348,7 @@ class RefPath:
         if self.replicas_up() and on_replicas is None:
             pending = self.pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
                                       service_name=self.service_name if self.handoff else None)
-            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
+            self._finish_on_replicas(pending, metrics)
             return
         from transfer_queue import KVBatchMeta
 
@@ -369,16 +369,19 @@ class RefPath:
         if tokens > 0:
             self.stage_timer.observe("ref", tokens, time.perf_counter() - start)
 
+    def _finish_on_replicas(self, pending: Any, metrics: dict) -> None:
+        observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
+
     def _after_update(self, batch: Any, metrics: dict) -> None:
         import ray
 
         if self.in_flight is not None:
             pending, started = self.in_flight
             self.in_flight = None
-            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
+            self._finish_on_replicas(pending, metrics)
             metrics["tide/ra2p/ref_wall_s"] = time.perf_counter() - started
         for pending in self.split_pending:  # split mode: the replicas' shares of this update's passes
-            observe_ref_replicas(self.stage_timer, self.pool.finish(pending), metrics, self.verls_ref_beside_replicas())
+            self._finish_on_replicas(pending, metrics)
         self.split_pending = []
         # The trained samples' rows (and those of evicted samples scored ahead) leave the service and processes.
         released = self.sample_ids.release(batch.keys) + self.released_ids
