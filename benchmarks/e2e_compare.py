@@ -27,8 +27,8 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, is_tide, job_overrides, mechanisms,
-                                       over_repeats, run_order, systems, wall_clock_summary)
+from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, chosen, is_tide, job_overrides,
+                                       mechanisms, over_repeats, run_order, systems, wall_clock_summary)
 from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
 from verl_tide.testing.testbed import GRPOJob, run_with_env_service
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
     ap.add_argument("--latency-scale", type=float, default=None,
                     help="multiply environment latency (0 = none; demo 1, every_part 2)")
-    ap.add_argument("--only", action="append", default=None, help="run only systems whose name contains this")
+    ap.add_argument("--only", action="append", default=None, help="run only this system (its whole name), or those whose name contains this")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         job = replace(job, use_kl_loss=True)
         extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
                  "trainer.test_freq=3")
-    ran = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1,
-                                      attribution=args.attribution)
-           if not args.only or any(o in s.name for o in args.only)}
+    available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1,
+                                            attribution=args.attribution)}
+    ran = {name: available[name] for name in chosen(list(available), args.only)}
     runs: dict[str, list[dict]] = {name: [] for name in ran}
     for round_index in range(max(1, args.repeats)):
         for name in run_order(list(ran), round_index):

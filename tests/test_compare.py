@@ -123,3 +123,14 @@ def test_repeats_alternate_the_order_and_report_the_median_run_with_the_spread()
     assert r["id"] == 2 and r["goodput_tok_s"] == 200.0  # the median run, whole
     assert r["goodput_runs"] == [300.0, 100.0, 200.0] and (r["goodput_min"], r["goodput_max"]) == (100.0, 300.0)
     assert over_repeats([runs[0], {"returncode": 1, "error": "x"}])["returncode"] == 1  # a failure is not hidden
+
+
+def test_only_picks_a_whole_name_alone_and_otherwise_every_name_containing_it():
+    from verl_tide.testing.compare import chosen
+
+    names = [s.name for s in systems(_job(2))]
+    assert chosen(names, ["verl sync"]) == ["verl sync"]  # not colocate_async / separate_async
+    assert chosen(names, ["tide"]) == ["tide"]
+    assert chosen(names, ["separate_async"]) == ["verl separate_async 1T/1R",
+                                                 "verl separate_async 1T/1R + hybrid switch"]
+    assert chosen(names, None) == names and chosen(names, ["nothing"]) == []

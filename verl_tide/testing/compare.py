@@ -173,6 +173,14 @@ def _mean_hit_rate(step: dict[str, float]) -> float | None:
     return sum(rates) / len(rates) if rates else None
 
 
+def chosen(names: list[str], only: list[str] | None) -> list[str]:
+    """The systems `--only` picks: a value that is a system's whole name picks that one alone (else "verl sync"
+    would pick every "..._async" too), any other value every name containing it."""
+    if not only:
+        return list(names)
+    return [n for n in names if any(o == n or (o not in names and o in n) for o in only)]
+
+
 def run_order(names: list[str], round_index: int) -> list[str]:
     """Round r runs the systems in order, r+1 in reverse: no system always starts on a machine the one before
     it warmed (page cache, CPU frequency)."""
