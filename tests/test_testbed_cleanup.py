@@ -190,3 +190,25 @@ def test_a_live_semaphore_stays_though_its_mapping_carries_another_name():
     clean_run_files(before)
     assert all(os.path.exists(p) for p in new), new
     del lock
+
+
+def test_a_runs_compile_cache_outlives_its_temp_dir(tmp_path, monkeypatch):
+    """torch's compile cache is the machine's, warm from run to run; its precompiled headers (which inductor
+    keeps under the temp dir whatever TORCHINDUCTOR_CACHE_DIR says) are off, else every run would rebuild them
+    under its own TMPDIR in its first step."""
+    import os
+
+    from verl_tide.testing.testbed import run_scratch
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with run_scratch() as env:
+        assert not env["TORCHINDUCTOR_CACHE_DIR"].startswith(env["TMPDIR"])
+        assert os.path.dirname(env["TORCHINDUCTOR_CACHE_DIR"]) == str(tmp_path)
+        assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "0"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/opt/cache")  # a user's own settings win
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "1")
+    with run_scratch() as env:
+        assert env["TORCHINDUCTOR_CACHE_DIR"] == "/opt/cache"
+        assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"

@@ -40,6 +40,8 @@ class EnvPreset:
     task: tuple[tuple[str, Any], ...] = ()
 
 
+LEARN_HIGH = 10**6  # tiny_learn's range: 1 to a million
+
 PRESETS: dict[str, EnvPreset] = {
     "webshop": EnvPreset("shop", max_turns=20, observation_words=400, step_latency_s=0.5),
     "alfworld": EnvPreset("guess", max_turns=20, observation_words=460, step_latency_s=0.3, task=(("high", 1000),)),
@@ -57,6 +59,11 @@ PRESETS: dict[str, EnvPreset] = {
     # quarter of the time on the test bed). No latency.
     "tiny_dense": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.0,
                             task=(("high", 16), ("format_reward", 0.1), ("format_by_digits", True))),
+    # The learning-parity benchmark: a reward the tiny random policy raises by answering with more digits (each
+    # turn scores its answer's share of digits), with tiny_slow's latency so that the trainers differ in pace as
+    # in the demo. The range is too wide for lucky guesses (1.0 each), which would drown the signal in noise.
+    "tiny_learn": EnvPreset("guess", max_turns=6, observation_words=8, step_latency_s=0.4, latency_sigma=1.0,
+                            task=(("high", LEARN_HIGH), ("format_reward", 1.0), ("format_by_digits", True))),
 }
 
 

@@ -14,10 +14,13 @@ last step's metrics line). The job's start-up (Ray, model load, engine start) is
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
-from verl_tide.testing.demo import under_tide
-from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, tide_overrides, with_overrides
+from verl_tide.testing.demo import env_agent_overrides, under_tide
+from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metrics, run_with_env_service,
+                                       tide_overrides, with_overrides)
 
 REWARD = "critic/score/mean"
 LENDING = "tide + lend_actor"
@@ -129,6 +132,26 @@ def job_overrides(job: GRPOJob, system: System, agent: list[str]) -> list[str]:
     """The full override list of `system` running `job` with the environment agent loop `agent`."""
     overrides = with_overrides(grpo_overrides(job), [*agent, *system.overrides])
     return under_tide(overrides) if is_tide(system.name) else overrides
+
+
+def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
+               extra: tuple[str, ...] = ()) -> dict:
+    """One run of `system` on `job` against an environment service of its own (its first /start is the run's
+    clock zero): `wall_clock_summary`'s numbers, the mechanisms that acted and the episodes' count, or the exit
+    code and the log's tail when the job failed."""
+    work.mkdir(parents=True, exist_ok=True)
+    lines: list[tuple[float, str]] = []
+    slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
+    started = time.time()
+    run, health = run_with_env_service(
+        lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
+        latency_scale=latency_scale,
+        timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=lambda line: lines.append((time.time(), line)))
+    if run.returncode != 0:
+        return {"returncode": run.returncode, "error": run.output[-3000:]}
+    summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
+    return {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
+            "episodes_started": health["started"], "episodes_ended": health["ended"]}
 
 
 def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,

@@ -34,11 +34,15 @@ REWARD = "critic/score/mean"
 _STEP = re.compile(r"step:(\d+) - ")
 
 
-def demo_job(work: Path, steps: int, batch: int, n: int, gpus: int = 2) -> GRPOJob:
-    """The demo's job: a tiny local model and `tiny_slow` environment tasks written under `work`."""
+def demo_job(work: Path, steps: int, batch: int, n: int, gpus: int = 2, env: str = "tiny_slow",
+             seed: int = 0, task: dict | None = None) -> GRPOJob:
+    """The demo's job: a tiny local model and `env` tasks (`task`: what /start passes to reset, default the
+    guessing game's 1-16; episode seeds from `seed`) written under `work`."""
     model = build_tiny_model(work / "model")
-    train = write_env_task_parquet(work / "data" / "train.parquet", batch * (steps + 3), env="tiny_slow")
-    val = write_env_task_parquet(work / "data" / "val.parquet", 2, env="tiny_slow", seed=10_000)
+    data = work / "data" if seed == 0 else work / f"data_seed{seed}"
+    train = write_env_task_parquet(data / "train.parquet", batch * (steps + 3), env=env, seed=seed * 100_000,
+                                   task=task)
+    val = write_env_task_parquet(data / "val.parquet", 2, env=env, seed=10_000 + seed * 100_000, task=task)
     return GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=gpus, steps=steps,
                    train_batch_size=batch, rollout_n=n, prompt_length=128, response_length=96)
 

@@ -27,18 +27,32 @@ def run_scratch() -> Iterator[dict[str, str]]:
     verl's checkpoint-copy locks all land there and go with it, so two runs side by side never touch each
     other's files. /dev/shm is shared: what the run left there goes too, unless a live process still uses it
     (another run's)."""
-    import getpass
-
     before = run_files()
     scratch = tempfile.mkdtemp(prefix="tide-")  # short: a Unix socket path has at most 107 bytes
-    # torch's compile cache stays shared (its default, under the machine's temp dir): warm across runs
-    inductor_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
-        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
     try:
-        yield {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, "TORCHINDUCTOR_CACHE_DIR": inductor_cache}
+        yield {"TMPDIR": scratch, "VLLM_RPC_BASE_PATH": scratch, **compile_cache_env()}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         clean_run_files(before)
+
+
+def compile_cache_env() -> dict[str, str]:
+    """torch's compile cache shared by every run (its default, under the machine's temp dir), as on a user's
+    machine, where it stays warm from one job to the next.
+
+    A run's own TMPDIR would otherwise make it cold in every run: vLLM's sampler compiles a small kernel with
+    inductor on the first request with log-probs, and inductor keeps its precompiled C++ headers under
+    `tempfile.gettempdir()` whatever TORCHINDUCTOR_CACHE_DIR says (torch 2.13 `codecache._HEADER_DIR`), so each
+    run rebuilt them in its first step: about 11 s of one core inside the rollout worker, measured. Without
+    precompiled headers a warm cache loads the kernel without compiling (5.5 s instead of 16.8 s for a fresh
+    process, `docs/testbed.md`). A user's own settings win."""
+    import getpass
+
+    return {
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+            tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0"),
+    }
 
 
 def run_files() -> set[str]:
