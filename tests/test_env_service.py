@@ -15,6 +15,7 @@ from aiohttp import web
 
 from verl_tide.env.client import (
     EnvClient,
+    EnvError,
     EnvMalformedResponse,
     EnvPayloadTooLarge,
     EnvSessionEnded,
@@ -64,6 +65,20 @@ async def test_happy_path_guess_to_the_answer(served):
         assert await c.end(r.session_id) is True
         assert await c.end(r.session_id) is False  # idempotent
     assert server.counters["started"] == 1 and not server.sessions
+
+
+async def test_an_injected_fault_fails_the_step_naming_environment_and_session(served):
+    """`task.fail_at_turn` (training jobs' failure paths, tests/test_tide_trainer_e2e.py): the guessing game
+    raises from that turn on; the server reports it with the environment and the session."""
+    server, url = await served(default_env="tiny")
+    async with EnvClient(url) as c:
+        r = await c.start(task={"low": 1, "high": 16, "target": 11, "fail_at_turn": 2}, seed=3)
+        assert not (await c.step(r.session_id, "8")).done
+        with pytest.raises(EnvError, match=rf"step of 'guess' failed \(session {r.session_id}\): injected fault "
+                                           r"at turn 2 \(task.fail_at_turn = 2\)"):
+            await c.step(r.session_id, "11")  # (the right answer: the fault comes first)
+        await c.end(r.session_id)
+    assert not server.sessions
 
 
 async def test_health_reports_when_the_first_episode_started(served):

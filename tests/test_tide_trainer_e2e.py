@@ -30,12 +30,18 @@ def job(tiny_model_path, tmp_path_factory) -> GRPOJob:
                    steps=STEPS, prompt_length=128, response_length=96, ppo_mini_batch_size=2)
 
 
+FAULTY_ROWS = (1, 6)  # tide_run's tasks whose environment raises at the first step (`task.fail_at_turn`)
+
+
 @pytest.fixture(scope="module")
 def tide_run(job, env_service_url, tmp_path_factory):
     work = tmp_path_factory.mktemp("tide_grpo")
+    train = write_env_task_parquet(work / "train.parquet", 24, env="tiny_slow",
+                                   row_task={i: {"fail_at_turn": 1} for i in FAULTY_ROWS})
     overrides = with_overrides(grpo_overrides(job), [
         *tide_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1"])
+        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1",
+        f"data.train_files={train}"])
     return run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
 
 
@@ -70,6 +76,20 @@ def test_the_goodput_ledger_accounts_for_every_group(tide_run):
         # The ledger's tokens are verl's own count of what the update trained on.
         assert m["tide/ledger/step_tokens_consumed"] == m["perf/total_num_tokens"], m
         assert m["tide/ledger/goodput_tok_s"] > 0
+
+
+def test_a_failing_environment_drops_its_groups_as_failed_and_training_goes_on(tide_run):
+    """Issue 26 inside a training job: two tasks' environment raises at their first step. Each such trajectory
+    ends with an error naming the environment and the session; verl drops its GRPO group as failed (never
+    trained on with reward 0) and refills the batch: every step still trains one whole batch (the test above),
+    the ledger counts the two groups dropped as failed, CTB the four trajectories and the tokens they generated."""
+    steps = parse_step_metrics(tide_run.output)
+    last = steps[STEPS]
+    assert last["tide/ledger/groups_dropped_failed"] == len(FAULTY_ROWS), last
+    assert last["tide/ctb/dropped_failed"] >= 2 * len(FAULTY_ROWS), last  # both trajectories of each group
+    assert last["tide/ctb/tokens_dropped_failed"] >= last["tide/ctb/dropped_failed"], last  # >= 1 token each
+    assert re.search(r"step of 'guess' failed \(session s\S+\): injected fault at turn 1 .*the GRPO group is "
+                     r"dropped as failed", tide_run.output), tide_run.output[-3000:]
 
 
 def test_rollout_never_waits_for_a_full_batch_barrier(tide_run):

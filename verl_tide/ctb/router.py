@@ -83,7 +83,9 @@ class CTBLoadBalancer:
         self._kv_wait_s = 0.0  # seconds during which work waited for KV budget (CTB's `waiting_for_kv`)
         self._generating_token_s = 0.0  # integral of CTB's `generating_tokens` over time (decode load)
         self.bypassed: dict[str, str] = {}  # request id -> server, for requests CTB could not place
-        self.counters = {"bypassed": 0, "idle_finished": 0}
+        # tokens_dropped_failed: what trajectories generated before their environment failed (verl drops their
+        # group; those tokens never reach TransferQueue, where the trainer's ledger counts the rest)
+        self.counters = {"bypassed": 0, "idle_finished": 0, "tokens_dropped_failed": 0}
         self._turns: dict[str, int] = {}
         self._incarnation: dict[str, int] = {}  # a trajectory admitted again after an idle finish
         self._env_sessions: dict[str, tuple[str, str]] = {}  # request id -> (env service URL, session id)
@@ -180,9 +182,12 @@ class CTBLoadBalancer:
         if task_type:
             self._task_types[request_id] = str(task_type)
 
-    def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value) -> None:
-        """The trajectory ended (called by verl-tide's agent loops); frees its budget now."""
+    def finish(self, request_id: str, outcome: str = Outcome.CONSUMED.value, generated_tokens: int = 0) -> None:
+        """The trajectory ended (called by verl-tide's agent loops); frees its budget now. A failed one says how
+        many tokens it had generated (counted in `tokens_dropped_failed`)."""
         self._account_clocks()
+        if outcome == Outcome.DROPPED_FAILED.value:
+            self.counters["tokens_dropped_failed"] += int(generated_tokens)
         self.bypassed.pop(request_id, None)
         self._env_sessions.pop(request_id, None)
         self._assigned.pop(request_id, None)

@@ -11,9 +11,12 @@ verl's router keeps it on one server and its prefix cache), sends the decoded te
 action, and appends the observation as a user message (masked out of the loss). It stops on
 done, on `tide.env` / multi-turn turn limits, or at the response length; the summed reward
 becomes the trajectory's `reward_score`. `/end` is called on every exit path. An environment
-failure ends the trajectory with reward 0, is marked in `extra_fields["tide_env_outcome"]`
-(`failed`) and counted in `EnvAgentLoop.outcomes`; the row stays in the batch (with at least one
-generated token) so GRPO groups and verl's bookkeeping stay whole.
+failure ends the trajectory, is counted in `EnvAgentLoop.outcomes` and told to CTB's router as
+`dropped_failed`. A training trajectory then raises `EnvTrajectoryFailed` (naming the environment and
+the session): verl's agent-loop worker marks the GRPO group `failure`, its replay buffer evicts it (trainer
+tide's ledger counts it dropped as failed) and refills the batch, so a failed episode is never trained on as
+if the policy had scored 0. An evaluation trajectory stays in the batch with reward 0 (a failed task scores
+nothing), marked in `extra_fields["tide_env_outcome"]` (`failed`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 AGENT_NAME = "tide_env_agent"
 URL_ENV_VAR = "VERL_TIDE_ENV_URL"
 MAX_DEAD_RANK_RETRIES = 2  # re-sends of one turn after its rollout rank died
+
+
+class EnvTrajectoryFailed(RuntimeError):
+    """A training trajectory's environment failed: verl drops the whole GRPO group as failed and refills it."""
 
 
 @register(AGENT_NAME)
@@ -155,7 +162,10 @@ class EnvAgentLoop(AgentLoopBase):
                     self.outcomes["end_failed"] += 1
                     logger.warning("tide_env_agent: /end of %s failed: %s", session_id, e)
         self.outcomes["failed" if stop == "failed" else "completed"] += 1
-        self._tell_router("finish", request_id, "dropped_failed" if stop == "failed" else "consumed")
+        self._tell_router("finish", request_id, "dropped_failed" if stop == "failed" else "consumed",
+                          sum(response_mask))
+        if stop == "failed" and not is_eval_prompt(kwargs):
+            raise EnvTrajectoryFailed(f"tide_env_agent: {error}; the GRPO group is dropped as failed")
         if turns == 0:
             # The environment failed before the first action. verl needs every row of the batch
             # (GRPO groups, policy-version tags from the engine), so the row is kept with a

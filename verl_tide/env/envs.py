@@ -110,12 +110,16 @@ class GuessEnv(Environment):
         self.format_reward = float(task.get("format_reward", dict(self.preset.task).get("format_reward", 0.0)))
         # ... or that reward times the answer's share of digit characters (a graded signal: `tiny_dense`)
         self.format_by_digits = bool(task.get("format_by_digits", dict(self.preset.task).get("format_by_digits", False)))
+        # Fault injection for training jobs' failure paths: the environment raises from this turn on
+        self.fail_at_turn = int(task.get("fail_at_turn") or 0)  # (a parquet column: None in the other rows)
         return (f"Find the hidden number between {self.low} and {self.high}. Answer with one number per turn. "
                 + filler_text(self.rng, self.preset.observation_words))
 
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         numbers = re.findall(r"-?\d+", action)
         last = self._out_of_turns()
+        if self.fail_at_turn and self.turns >= self.fail_at_turn:
+            raise RuntimeError(f"injected fault at turn {self.turns} (task.fail_at_turn = {self.fail_at_turn})")
         if not numbers:
             obs, reward, done = "No number found in your answer.", 0.0, last
         else:
