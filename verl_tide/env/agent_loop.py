@@ -167,9 +167,9 @@ class EnvAgentLoop(AgentLoopBase):
         if stop == "failed" and not is_eval_prompt(kwargs):
             raise EnvTrajectoryFailed(f"tide_env_agent: {error}; the GRPO group is dropped as failed")
         if turns == 0:
-            # The environment failed before the first action. verl needs every row of the batch
-            # (GRPO groups, policy-version tags from the engine), so the row is kept with a
-            # one-token response, reward 0 and outcome "failed" for the trainer to drop and count.
+            # An evaluation trajectory whose environment failed before the first action (a training one
+            # raised above). verl needs every row of the batch (policy-version tags from the engine), so
+            # the row is kept with a one-token response, reward 0 and outcome "failed".
             if not prompt_ids:
                 prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
             out = await self._generate(request_id, prompt_ids, {**sampling_params, "max_tokens": 1})

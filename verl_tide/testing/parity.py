@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 from statistics import mean, stdev
 
-Curve = list[tuple[float, float]]  # (step or wall-clock s, reward), in step order
-
-
 def moving_average(values: list[float], window: int) -> list[float]:
     """The trailing mean over up to `window` values (the first ones average what there is)."""
     if window < 1:
