@@ -35,14 +35,42 @@ FAULTY_ROWS = (1, 6)  # tide_run's tasks whose environment raises at the first s
 
 @pytest.fixture(scope="module")
 def tide_run(job, env_service_url, tmp_path_factory):
+    """The multi-turn environment job with the KL loss and a tide Ref replica on a fake GPU of its own
+    (tide.ra2p.ref_ranks=1), colocated, two mini-batches a step, tide.ra2p.zero_copy=false (verl's data path:
+    ref_log_prob through TransferQueue, read by verl's own loss); evaluation every step; two faulty tasks."""
     work = tmp_path_factory.mktemp("tide_grpo")
     train = write_env_task_parquet(work / "train.parquet", 24, env="tiny_slow",
                                    row_task={i: {"fail_at_turn": 1} for i in FAULTY_ROWS})
-    overrides = with_overrides(grpo_overrides(job), [
-        *tide_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
-        f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1",
-        f"data.train_files={train}"])
+    kl_job = _kl_job(job)
+    overrides = with_overrides(grpo_overrides(kl_job), [
+        *tide_overrides(kl_job), *_ref_rank_overrides("colocated"),
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"tide.env.url={env_service_url}",
+        "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1", f"data.train_files={train}",
+        "tide.ra2p.zero_copy=false"])
     return run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+
+
+def _kl_job(job: GRPOJob, **changes) -> GRPOJob:
+    return GRPOJob(**{**job.__dict__, "use_kl_loss": True, **changes})
+
+
+def _ref_rank_overrides(mode: str) -> list[str]:
+    """Ref on one fake GPU of its own beside the trainer's and the rollout's (three for Ray)."""
+    return ["tide.ra2p.ref_ranks=1", f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3"]
+
+
+def _check_kl_run(run, steps: dict, one_update_per_step: bool, final_kl_above: float = 1e-4) -> None:
+    """At step 1 the Ref and the Actor hold the same weights, so verl's KL loss is ~0 if and only if the
+    replica scores the same tokens the same way (alignment, temperature); after two updates it is clearly not
+    (after one, small: about 6e-5 measured). (With more than one update a step, the step's later mini-batches
+    train on updated weights.)"""
+    if one_update_per_step:
+        assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
+    assert steps[max(steps)]["actor/kl_loss"] > final_kl_above, steps[max(steps)]
+    assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps), steps
+    assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
+    for m in steps.values():
+        assert m["tide/ra2p/step_mode_decoupled"] == 0 and m["tide/ra2p/uses_ref"] == 1, m
 
 
 def test_tide_trains_every_step_with_separate_rollout(tide_run):
@@ -144,65 +172,26 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def _kl_run(job, tmp_path_factory, mode: str, mini_batches: int = 1, extra: tuple[str, ...] = (),
-            replicas_every_step: bool = True):
-    """use_kl_loss=True, Ref on one fake GPU of its own (tide.ra2p.ref_ranks=1), `mini_batches` updates per step."""
-    work = tmp_path_factory.mktemp(f"tide_ref_{mode}")
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True,
-                        "ppo_mini_batch_size": job.train_batch_size // mini_batches})
-    overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.ref_ranks=1",
-                                                        f"tide.ra2p.mode={mode}", "+ray_kwargs.ray_init.num_gpus=3",
-                                                        *extra])
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
-    assert run.returncode == 0, run.output[-6000:]
-    steps = parse_step_metrics(run.output)
-    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
-    # At step 1 the Ref and the Actor hold the same weights, so verl's KL loss is ~0 if and only if the
-    # replica scores the same tokens the same way (alignment, temperature); after two updates it is not.
-    if mini_batches == 1:  # (with more, the step's later mini-batches train on updated weights)
-        assert abs(steps[1]["actor/kl_loss"]) < 1e-6, steps[1]
-    assert steps[STEPS]["actor/kl_loss"] > 1e-4, steps[STEPS]
-    if replicas_every_step:
-        assert all(steps[n]["tide/ra2p/ref_worker_s"] > 0 for n in steps)
-    return run, steps, kl_job.train_batch_size * kl_job.rollout_n
-
-
-def test_ref_on_a_rank_of_its_own_hands_its_rows_to_the_actors_loss_through_shared_memory(job, tmp_path_factory):
-    """Mode colocated (the Actor waits for Ref), tide.ra2p.zero_copy (the default): verl's Ref worker is not
-    built; a tide Ref replica puts each pass's rows once into Ray's shared-memory object store, and the Actor's
-    installed loss takes them by sample id (no TransferQueue round trip); every row served, none left."""
-    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated")
-    assert "1 Ref replica(s) on GPUs of their own (RA2P decoupled placement; Actor waits for them)" in run.output
-    assert "RA2P colocated hand-off (tide.ra2p.zero_copy)" in run.output
-    for n, m in steps.items():
-        assert m["tide/ra2p/step_mode_decoupled"] == 0, m
-        assert m["tide/ra2p/ref_service_put"] == m["tide/ra2p/ref_service_served"] == n * samples_per_step, m
-        assert m["tide/ra2p/ref_service_held"] == 0, m
-    assert steps[STEPS]["tide/ra2p/uses_ref"] == 1
-    # One mini-batch per step: nothing to aggregate (the sync window ends with it), a Ref pass per mini-batch.
-    assert steps[STEPS]["tide/ra2p/aggregation_samples_ahead"] == 0
-    assert steps[STEPS]["tide/ra2p/aggregation_bursts"] == STEPS
-
-
-def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_pass(job, tmp_path_factory):
-    """Two mini-batches per step, colocated: the first mini-batch's Ref pass also scores the ready groups the
-    second will take (read from verl's replay buffer, in its sampling order), so that one finds its ref
-    log-probs in TransferQueue and runs no Ref pass; verl's KL loss, which needs ref_log_prob on every sample,
-    trains on both. Every mini-batch either ran a Ref pass or found all of its samples scored.
-    tide.ra2p.zero_copy=false: verl's data path (ref_log_prob in TransferQueue), read by verl's own loss."""
-    run, steps, samples_per_step = _kl_run(job, tmp_path_factory, "colocated", mini_batches=2,
-                                           extra=("tide.ra2p.zero_copy=false",))
-    assert "RA2P colocated hand-off" not in run.output
+def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_pass(tide_run):
+    """Two mini-batches per step, colocated, a Ref replica of tide's: the first mini-batch's Ref pass also
+    scores the ready groups the second will take (read from verl's replay buffer, in its sampling order), so
+    that one finds its ref log-probs in TransferQueue and runs no Ref pass; verl's KL loss, which needs
+    ref_log_prob on every sample, trains on both. Every mini-batch either ran a Ref pass or found all of its
+    samples scored. tide.ra2p.zero_copy=false: verl's data path (ref_log_prob in TransferQueue), read by verl's
+    own loss."""
+    steps = parse_step_metrics(tide_run.output)
+    _check_kl_run(tide_run, steps, one_update_per_step=False)
+    assert "RA2P colocated hand-off" not in tide_run.output
     last = steps[STEPS]
     trained_mini_batches = 2 * STEPS
     assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] \
         == trained_mini_batches, last
-    assert last["tide/ra2p/aggregation_samples_scored"] >= STEPS * samples_per_step
+    assert last["tide/ra2p/aggregation_samples_scored"] >= STEPS * 4 * 2
     # Rollout runs ahead of the trainer: by the later steps the second mini-batch's groups are ready when the
     # first one's Ref pass runs.
     assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last
     assert last["tide/ra2p/aggregation_batches_without_ref_pass"] > 0, last
-    assert re.search(r"RA2P: .*\d+ Ref passes, \d+ samples scored ahead", run.output)
+    assert re.search(r"RA2P: .*\d+ Ref passes, \d+ samples scored ahead", tide_run.output)
 
 
 def _verls_ref_run(job, tmp_path_factory, name: str, extra: tuple[str, ...], **job_changes):
@@ -221,24 +210,22 @@ def _verls_ref_run(job, tmp_path_factory, name: str, extra: tuple[str, ...], **j
 
 @pytest.fixture(scope="module")
 def verl_ref_run(job, tmp_path_factory):
-    """verl's Ref on the trainer's GPU beside an empty elastic Ref pool, the Actor's parameters offloaded between
+    """verl's Ref on two trainer ranks beside an empty elastic Ref pool, the Actor's parameters offloaded between
     passes, a checkpoint after the last step (the resume test continues from it)."""
     work = tmp_path_factory.mktemp("tide_verl_ref")
     ckpt = work / "ckpt"
+    # Each trainer rank's bundle takes 3 of Ray's CPUs: 16 leave too few for the rollout replica's.
     run, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_verl_ref", (
         "tide.ers.max_ref_ranks=1", "actor_rollout_ref.actor.fsdp_config.param_offload=True",
-        f"trainer.save_freq={STEPS}"), default_local_dir=str(ckpt))
+        f"trainer.save_freq={STEPS}", "ray_kwargs.ray_init.num_cpus=24"), default_local_dir=str(ckpt), n_gpus=3)
     return run, steps, kl_job, ckpt
 
 
 def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_elastic_pool(verl_ref_run):
-    """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPU (on this test bed its engine is
+    """tide.ra2p.ref_ranks = 0: verl's own Ref worker group on the trainer's GPUs (on this test bed its engine is
     built with forward_only=false, see README). One mini-batch per step and tide.ra2p.max_aggregate=2: a step's
     Ref pass also scores up to 2 ready groups the next steps train. tide.ers.max_ref_ranks=1 puts an empty
-    elastic Ref pool beside it; with one rollout rank ERS can lend none, so every step runs colocated. With
-    tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass leaves its rows in the worker
-    process, where the Actor's loss (same process) takes them; nothing goes through the Ref service. The
-    Actor role is tide's subclass too: its update takes the input fields the Ref pass read from the process.
+    elastic Ref pool beside it; with one rollout rank ERS can lend none, so every step runs colocated.
     The Actor's parameters are offloaded between passes (verl's param_offload), so Ref and Actor swap: tide's
     Actor subclass measures one load + offload of verl's engine, and the cost model gets it (RA2P's swap term;
     on CPU a "load" is a copy within host memory: small, but measured, not assumed)."""
@@ -256,45 +243,32 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last  # rollout runs ahead of the trainer
     assert all(steps[n]["tide/ra2p/step_mode_decoupled"] == 0 for n in steps)
     assert last["tide/ers/ranks_ref"] == 0 and last["tide/ra2p/ref_replicas"] == 0
-    # The colocated hand-off: every trained sample's row came from the process (one trainer rank: its own Ref
-    # role scored all of them); the rows of samples scored ahead and not trained yet are still held.
-    trained = STEPS * kl_job.train_batch_size * kl_job.rollout_n
-    assert last["tide/ra2p/handoff_served_in_process"] == trained, last
-    assert last["tide/ra2p/handoff_put"] >= trained + last["tide/ra2p/handoff_held"], last  # (+ evicted)
-    assert last["tide/ra2p/ref_service_put"] == last["tide/ra2p/ref_service_served"] == 0, last
-    # The inputs too: every trained sample's input fields came back from the process into the Actor's update
-    # (which read only the other fields from TransferQueue), none from TransferQueue; those of samples scored
-    # ahead are held with their rows.
-    assert last["tide/ra2p/handoff_inputs_in_process"] == trained, last
-    assert last["tide/ra2p/handoff_inputs_from_transfer_queue"] == 0, last
-    assert last["tide/ra2p/handoff_inputs_held"] == last["tide/ra2p/handoff_held"], last
-    # Nothing leaks: what is held is exactly the rows of samples scored and not trained yet (a sample scored
-    # again in its own mini-batch's pass gets a new id, and its old row goes).
-    assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/handoff_ids_live"], last
 
 
-def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_and_across_ranks(job,
-                                                                                              tmp_path_factory):
+def test_verls_ref_on_two_trainer_ranks_hands_rows_and_inputs_over_in_process_and_across_ranks(verl_ref_run):
     """Two trainer ranks (FSDP over gloo, verl's Actor and Ref roles in each worker process), KL loss, up to 2
-    groups scored ahead. Each Ref rank scores the share of the mini-batch its own process trains, so a
-    mini-batch that ran a Ref pass finds its rows and inputs in process; rows of samples scored ahead that the
-    other rank trains come from shared memory (every row is put there once), their inputs from
-    TransferQueue. Every trained sample's row and inputs arrive one way or the other, once."""
-    # Each trainer rank's bundle takes 3 of Ray's CPUs: 16 leave too few for the rollout replica's.
-    _, steps, kl_job = _verls_ref_run(job, tmp_path_factory, "tide_two_ranks", ("ray_kwargs.ray_init.num_cpus=24",),
-                                      n_gpus=3)
-    assert abs(steps[1]["actor/kl_loss"]) < 1e-6 and steps[STEPS]["actor/kl_loss"] > 1e-4, steps
+    groups scored ahead. With tide.ra2p.zero_copy (the default) verl's Ref role is tide's subclass: a pass
+    leaves its rows in the worker process, where the Actor's loss (same process) takes them, and the Actor role
+    is tide's subclass too: its update takes the input fields the Ref pass read from the process. Each Ref rank
+    scores the share of the mini-batch its own process trains, so a mini-batch that ran a Ref pass finds its
+    rows and inputs in process; rows of samples scored ahead that the other rank trains come from shared
+    memory (every row is put there once), their inputs from TransferQueue. Every trained sample's row and
+    inputs arrive one way or the other, once."""
+    _, steps, kl_job, _ = verl_ref_run
     last = steps[STEPS]
     per_step = kl_job.train_batch_size * kl_job.rollout_n
     trained = STEPS * per_step
     without_pass = int(last["tide/ra2p/aggregation_batches_without_ref_pass"])  # trained from rows scored ahead
     assert last["tide/ra2p/handoff_served_in_process"] + last["tide/ra2p/ref_service_served"] == trained, last
     assert last["tide/ra2p/handoff_served_in_process"] >= trained - per_step * without_pass, last
+    assert last["tide/ra2p/handoff_served_in_process"] > 0, last
     assert last["tide/ra2p/ref_service_put"] == last["tide/ra2p/handoff_put"] > 0, last
     assert last["tide/ra2p/handoff_inputs_in_process"] + last["tide/ra2p/handoff_inputs_from_transfer_queue"] \
         == trained, last
     assert last["tide/ra2p/handoff_inputs_in_process"] >= trained - per_step * without_pass, last
-    # Nothing leaks: each live sample's row is held once in a process and once in shared memory.
+    # Nothing leaks: each live sample's row is held once in a process and once in shared memory; what is held
+    # is exactly the rows of samples scored and not trained yet (a sample scored again in its own mini-batch's
+    # pass gets a new id, and its old row goes).
     live = last["tide/ra2p/handoff_ids_live"]
     assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/ref_service_held"] == live, last
     assert last["tide/ra2p/handoff_inputs_held"] == live, last
@@ -488,7 +462,8 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(verl_ref_run, tm
     one_more = GRPOJob(**{**kl_job.__dict__, "steps": STEPS + 1, "default_local_dir": str(ckpt)})
     overrides = with_overrides(grpo_overrides(one_more), [
         *tide_overrides(one_more), "tide.ra2p.max_aggregate=2", "tide.ers.max_ref_ranks=1",
-        "actor_rollout_ref.actor.fsdp_config.param_offload=True", f"trainer.save_freq={STEPS}"])
+        "actor_rollout_ref.actor.fsdp_config.param_offload=True", f"trainer.save_freq={STEPS}",
+        "ray_kwargs.ray_init.num_cpus=24"])
     second = run_main_ppo(overrides, cwd=work, log_path=work / "second.log", timeout_s=900)
     assert second.returncode == 0, second.output[-5000:]
     steps = parse_step_metrics(second.output)
@@ -514,9 +489,11 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(verl_ref_run, tm
     settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                         "dropped_failed"))
     assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"]
-    # Every sample the resumed step trained found its ref log-probs in the process (scored again after the
-    # resume): the served count restarts with the process.
-    assert m["tide/ra2p/handoff_served_in_process"] == 8 and m["actor/kl_loss"] > 0, m
+    # Every sample the resumed step trained found its ref log-probs (scored again after the resume), in its own
+    # trainer rank's process or from the other rank's through shared memory: the counts restart with the
+    # processes.
+    assert m["tide/ra2p/handoff_served_in_process"] + m["tide/ra2p/ref_service_served"] == 8, m
+    assert m["tide/ra2p/handoff_served_in_process"] > 0 and m["actor/kl_loss"] > 0, m
 
 
 @pytest.mark.timeout(1200 + 300)  # its job may take up to 1,200 s (a relaunch beside training)
@@ -634,16 +611,20 @@ def _cmdline(process) -> list[str]:
 
 def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_fewer_mini_batches(
         job, env_service_url, tmp_path_factory):
-    """One job, three independent switches. tide.ctb.enabled=false: verl's stock request routing under trainer
+    """One job, four independent switches. tide.ctb.enabled=false: verl's stock request routing under trainer
     tide (and `tide_env_agent` inside verl's agent-loop worker without CTB). tide.ers.ideal_batch=4 sequences
     (B_ideal, and B_min = B_ideal) where verl's step is 2 mini-batches of 2 prompts x 2 samples: ERS's elastic
     batch is one mini-batch, so each step trains 2 groups, then syncs. tide.max_staleness=0 (strategy drop): a
     group generated for an earlier version is never trained on; the groups left ready after a step's update go
-    stale, are dropped, counted and refilled."""
+    stale, are dropped, counted and refilled. And the KL loss with a tide Ref replica on a fake GPU of its own,
+    colocated (the Actor waits for Ref), tide.ra2p.zero_copy (the default): verl's Ref worker is not built; the
+    replica puts each pass's rows once into Ray's shared-memory object store, and the Actor's installed loss
+    takes them by sample id (no TransferQueue round trip); every row served, none left."""
     work = tmp_path_factory.mktemp("tide_no_ctb_elastic_batch")
-    two_steps = GRPOJob(**{**job.__dict__, "steps": 2})
+    two_steps = _kl_job(job, steps=2)
     overrides = with_overrides(grpo_overrides(two_steps), [
-        *tide_overrides(two_steps), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        *tide_overrides(two_steps), *_ref_rank_overrides("colocated"),
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={env_service_url}", "tide.env.max_tokens_per_turn=8", "tide.ctb.enabled=false",
         "tide.ers.ideal_batch=4", "tide.max_staleness=0"])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
@@ -664,3 +645,13 @@ def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_few
     assert m["tide/ledger/groups_dropped_stale"] > 0 and m["tide/ledger/tokens_dropped_stale"] > 0, m
     # verl's replay buffer reported the same evictions (its off-policy metrics) in a step.
     assert any(s.get("training/off_policy/evicted_samples", 0.0) > 0 for s in steps.values()), steps
+    # The Ref replica's hand-off: one update a step, so step 1's KL loss shows the replica's alignment.
+    _check_kl_run(run, steps, one_update_per_step=True, final_kl_above=1e-6)  # two steps: one update before step 2
+    assert "RA2P colocated hand-off (tide.ra2p.zero_copy)" in run.output
+    samples_per_step = 4  # the elastic batch: 2 groups x 2 samples
+    for n, m in steps.items():
+        assert m["tide/ra2p/ref_service_put"] == m["tide/ra2p/ref_service_served"] == n * samples_per_step, m
+        assert m["tide/ra2p/ref_service_held"] == 0, m
+    # One mini-batch per step: nothing to aggregate (the sync window ends with it), a Ref pass per mini-batch.
+    assert steps[2]["tide/ra2p/aggregation_samples_ahead"] == 0
+    assert steps[2]["tide/ra2p/aggregation_bursts"] == 2
