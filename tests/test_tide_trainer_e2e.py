@@ -7,6 +7,7 @@ through the `tide_shm` checkpoint engine, multi-turn `tide_env_agent` trajectori
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -51,7 +52,7 @@ def tide_run(job, env_service_url, tmp_path_factory):
 
 
 def _kl_job(job: GRPOJob, **changes) -> GRPOJob:
-    return GRPOJob(**{**job.__dict__, "use_kl_loss": True, **changes})
+    return dataclasses.replace(job, use_kl_loss=True, **changes)
 
 
 def _ref_rank_overrides(mode: str) -> list[str]:
@@ -172,7 +173,7 @@ def test_evaluation_overlaps_the_next_steps_rollout_on_the_previous_weights(tide
     assert steps[STEPS]["tide/ctb/eval_tasks"] >= 2 * 2  # 2 validation prompts, evaluated at steps 1 and 2 (+3)
 
 
-def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_pass(tide_run):
+def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_pass(job, tide_run):
     """Two mini-batches per step, colocated, a Ref replica of tide's: the first mini-batch's Ref pass also
     scores the ready groups the second will take (read from verl's replay buffer, in its sampling order), so
     that one finds its ref log-probs in TransferQueue and runs no Ref pass; verl's KL loss, which needs
@@ -186,7 +187,7 @@ def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_
     trained_mini_batches = 2 * STEPS
     assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] \
         == trained_mini_batches, last
-    assert last["tide/ra2p/aggregation_samples_scored"] >= STEPS * 4 * 2
+    assert last["tide/ra2p/aggregation_samples_scored"] >= STEPS * job.train_batch_size * job.rollout_n
     # Rollout runs ahead of the trainer: by the later steps the second mini-batch's groups are ready when the
     # first one's Ref pass runs.
     assert last["tide/ra2p/aggregation_samples_ahead"] > 0, last
@@ -198,7 +199,7 @@ def _verls_ref_run(job, tmp_path_factory, name: str, extra: tuple[str, ...], **j
     """use_kl_loss=True with verl's own Ref worker group (no tide Ref ranks), one mini-batch per step and up to
     2 ready groups scored ahead per Ref pass."""
     work = tmp_path_factory.mktemp(name)
-    kl_job = GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, **job_changes})
+    kl_job = _kl_job(job, ppo_mini_batch_size=None, **job_changes)
     overrides = with_overrides(grpo_overrides(kl_job), [*tide_overrides(kl_job), "tide.ra2p.max_aggregate=2",
                                                         *extra])
     run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
@@ -229,7 +230,7 @@ def test_verls_own_ref_runs_colocated_with_ready_batch_aggregation_beside_an_ela
     The Actor's parameters are offloaded between passes (verl's param_offload), so Ref and Actor swap: tide's
     Actor subclass measures one load + offload of verl's engine, and the cost model gets it (RA2P's swap term;
     on CPU a "load" is a copy within host memory: small, but measured, not assumed)."""
-    run, steps, kl_job, _ = verl_ref_run
+    run, steps, _, _ = verl_ref_run
     for n in steps:  # measured at step 1 (and every 10 steps), kept by the stage timer
         assert steps[n]["tide/ra2p/swap_s"] > 0, steps[n]
         assert steps[n]["tide/ra2p/predicted_colocated_s"] > 0, steps[n]
@@ -296,7 +297,7 @@ def test_ers_lends_a_rollout_rank_to_ref_and_takes_it_back_for_evaluation(job, t
 
 
 def _ers_job(job: GRPOJob) -> GRPOJob:
-    return GRPOJob(**{**job.__dict__, "use_kl_loss": True, "ppo_mini_batch_size": None, "n_gpus": 3})
+    return _kl_job(job, ppo_mini_batch_size=None, n_gpus=3)
 
 
 def _ers_run(job, work, env_service_url):
