@@ -15,7 +15,7 @@ def _job(n_gpus: int) -> GRPOJob:
 def test_every_split_the_fake_gpus_allow_with_and_without_the_hybrid_switch():
     names = [s.name for s in systems(_job(2))]
     assert names == ["verl sync", "verl colocate_async", "verl separate_async 1T/1R",
-                     "verl separate_async 1T/1R + hybrid switch", "tide", "tide + lend_actor"]
+                     "verl separate_async 1T/1R + hybrid switch", "tide", "tide, tide.ers.lend_actor=false"]
     three = [s for s in systems(_job(3)) if "separate_async" in s.name]
     assert sorted({s.rollout_gpus for s in three}) == [1, 2] and len(three) == 4
     for s in three:  # trainer + rollout GPUs = the job's, weights every step, one staleness bound for all
@@ -23,10 +23,13 @@ def test_every_split_the_fake_gpus_allow_with_and_without_the_hybrid_switch():
         assert int(keys["trainer.n_gpus_per_node"]) + int(keys["actor_rollout_ref.rollout.n_gpus_per_node"]) == 3
         assert keys["trainer.v1.separate_async.parameter_sync_step"] == "1"
         assert keys["trainer.v1.sampler.max_off_policy_threshold"] == "1"
-    tide, lending = systems(_job(2), max_staleness=2)[-2:]
+    tide, no_lending = systems(_job(2), max_staleness=2)[-2:]
     assert "+tide=enabled" in tide.overrides and "tide.max_staleness=2" in tide.overrides
     assert len({override_key(o) for o in tide.overrides}) == len(tide.overrides)
-    assert set(lending.overrides) - set(tide.overrides) == {"tide.ers.lend_actor=true"}
+    # tide as a user gets it (tide.ers.lend_actor left at its default), and beside it tide without lending
+    assert not any(override_key(o) == "tide.ers.lend_actor" for o in tide.overrides)
+    assert tide.rollout_gpus == 2 and no_lending.rollout_gpus == 1
+    assert set(no_lending.overrides) - set(tide.overrides) == {"tide.ers.lend_actor=false"}
 
 
 def _line(n: int, tokens: float, reward: float) -> str:
@@ -60,7 +63,7 @@ def test_a_run_without_steps_or_requests_is_an_error_not_a_zero():
 
 def test_the_best_stock_system_is_the_fastest_that_is_not_tide():
     results = {"verl sync": {"goodput_tok_s": 100.0}, "verl colocate_async": {"goodput_tok_s": 300.0},
-               "tide": {"goodput_tok_s": 500.0}, "tide + lend_actor": {"goodput_tok_s": 600.0}}
+               "tide": {"goodput_tok_s": 500.0}, "tide, tide.ers.lend_actor=false": {"goodput_tok_s": 400.0}}
     assert best_stock(results) == ("verl colocate_async", 300.0)
     with pytest.raises(ValueError, match="no stock verl system"):
         best_stock({"tide": {"goodput_tok_s": 1.0}})
@@ -71,7 +74,7 @@ def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_a
 
     job = replace(_job(3), use_kl_loss=True)
     ran = systems(job, tide_rollout_gpus=2)
-    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide"]  # lending refuses a Ref model
+    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide"]  # lending is off with a Ref model
     keys = dict(o.split("=", 1) for o in ran[-1].overrides)
     assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == "2" and keys["trainer.n_gpus_per_node"] == "1"
 

@@ -36,6 +36,9 @@ def test_paper_defaults():
     cfg = TideConfig()
     assert cfg.ers.max_moves_per_step == 1
     assert cfg.ra2p.mode == "auto"
+    assert cfg.ers.lend_actor == "auto"  # issue 27: lend by default where the job allows it
+    for setting in ("auto", True, False):
+        assert parse_tide_config({"ers": {"lend_actor": setting}}).ers.lend_actor is setting
     w = cfg.ctb.priority
     # Table 1 order: eval > nearly complete group > active > long context (up to 100k tokens).
     assert w.eval > w.group_completion * 1.0 > w.active > w.context_length * 100_000
@@ -59,6 +62,8 @@ def test_paper_defaults():
         ({"max_staleness": True}, "tide.max_staleness = True", "integer"),
         ({"staleness_strategy": "skip"}, "tide.staleness_strategy = 'skip'", "drop | wait"),
         ({"ers": 3}, "tide.ers = 3", "must be a mapping"),
+        ({"ers": {"lend_actor": "yes"}}, "tide.ers.lend_actor = 'yes'", "auto | true | false"),
+        ({"ers": {"lend_actor": 1}}, "tide.ers.lend_actor = 1", "auto | true | false"),  # 1 == True, not true
     ],
 )
 def test_bad_value_names_key_value_and_allowed(raw, key, allowed):

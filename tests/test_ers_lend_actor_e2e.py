@@ -1,6 +1,7 @@
-"""ERS lends the Actor's GPU to rollout (`tide.ers.lend_actor=true`, issue 27's first part), end to end.
+"""ERS lends the Actor's GPU to rollout (`tide.ers.lend_actor`, on by default without a Ref model; issue 27), end
+to end.
 
-`+tide=enabled` on the CPU test bed with the demo's environment (tiny_slow, heavy-tailed latency): verl's hybrid
+`+tide=enabled` with its defaults on the CPU test bed with the demo's environment (tiny_slow, heavy-tailed latency): verl's hybrid
 replica beside the Actor rolls out from the start (the cold start) until the step's groups are ready, then
 sleeps while the Actor trains, and comes back when verl's switch says the wait is worth it; CTB routes to it
 while it is lent; the abort at each switch loses nothing. The unit parts: tests/test_trainer_units.py.
@@ -28,7 +29,7 @@ def lend_run(tiny_model_path, tmp_path_factory):
                   steps=STEPS, prompt_length=128, response_length=96, ppo_mini_batch_size=2)
     work = tmp_path_factory.mktemp("lend_run")
     run, health = run_with_env_service(lambda url: with_overrides(grpo_overrides(job), [
-        *tide_overrides(job), "tide.ers.lend_actor=true",
+        *tide_overrides(job, lend_actor=None),  # the default: tide.ers.lend_actor=auto
         "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
         f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "trainer.test_freq=2"]),
         work, latency_scale=1.0, log_path=work / "main_ppo.log")
@@ -46,6 +47,7 @@ def test_the_actors_replica_rolls_out_through_the_cold_start_then_trains(lend_ru
     assert first["tide/ers/actor_lent_turns"] > 0, first
     assert first["timing_s/switch_wait"] > 0 and first["timing_s/switch_to_trainer"] > 0, first
     assert "Lending hybrid engine to generation until" in run.output
+    assert "verl-tide: ERS may lend the Actor's GPUs to rollout (tide.ers.lend_actor = auto)" in run.output
     for n in steps:
         assert steps[n]["timing_s/update_actor"] > 0  # and the Actor trained every step
         assert steps[n]["tide/ers/ranks_rollout"] == 1  # the lent replica is not one of ERS's rollout ranks
@@ -103,11 +105,38 @@ def test_nothing_is_lost_at_the_switches(lend_run):
     assert "WARNING: " not in "\n".join(line for line in run.output.splitlines() if "verl-tide step" in line)
 
 
-def test_lending_with_a_ref_model_is_refused_naming_the_key():
+def test_lending_is_on_by_default_where_the_layout_allows_and_refused_naming_the_key_where_not():
+    from omegaconf import OmegaConf
+
+    from verl_tide.core.config import parse_tide_config
+    from verl_tide.job_config import check_layout, lend_actor
+
+    def job(setting=None, **keys):
+        raw = {"actor_rollout_ref": {"hybrid_engine": keys.get("hybrid", True),
+                                     "actor": {"use_kl_loss": keys.get("kl_loss", False)}},
+               "algorithm": {"use_kl_in_reward": keys.get("kl_reward", False)}}
+        tide = parse_tide_config({} if setting is None else {"ers": {"lend_actor": setting}})
+        return OmegaConf.create(raw), tide
+
+    assert lend_actor(*job()) == (True, "tide.ers.lend_actor = auto")
+    assert lend_actor(*job(True)) == (True, "tide.ers.lend_actor = true")
+    assert lend_actor(*job(False)) == (False, "tide.ers.lend_actor = false")
+    assert lend_actor(*job(False, kl_loss=True))[0] is False
+    for keys, named in (({"kl_loss": True}, "a Ref model"), ({"kl_reward": True}, "a Ref model"),
+                        ({"hybrid": False}, "actor_rollout_ref.hybrid_engine = false")):
+        on, why = lend_actor(*job(**keys))
+        assert on is False and why.startswith(f"tide.ers.lend_actor = auto, off: the job has {named}"), why
+        with pytest.raises(TideConfigError, match=f"tide.ers.lend_actor = true with {named}"):
+            lend_actor(*job(True, **keys))
+    # the driver's layout check (the Hydra callback, before Ray starts) refuses it too
+    config, tide = job(True, kl_loss=True)
+    layout = OmegaConf.merge(config, {"data": {"train_batch_size": 4}, "actor_rollout_ref": {
+        "actor": {"ppo_mini_batch_size": 2}, "rollout": {"nnodes": 1, "n_gpus_per_node": 1,
+                                                         "checkpoint_engine": {"backend": "tide_shm"}}},
+        "trainer": {"v1": {"sampler": {}}}})
+    check_layout(layout)  # without the tide config: the layout alone is fine
     with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with a Ref model"):
-        lending.check(True, use_reference_policy=True)
-    lending.check(True, use_reference_policy=False)
-    lending.check(False, use_reference_policy=True)
+        check_layout(layout, tide)
     assert lending.lent_turns({"a": 3, "b": 4, "c": 1}, ["a", "c", "z"]) == 4.0
     status = {"turns_served": {"a": 3, "b": 4}, "pool_s": {"a": 2.5, "b": 9.0}}
     # ERS's inputs from what the trainer holds: verl's update_actor timer over the mini-batches trained

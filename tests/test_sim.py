@@ -265,7 +265,7 @@ def test_bench_cli_writes_json_and_plot(tmp_path, capsys):
     from_best.pop("advised_rollout_ratio")
     assert from_best == systems["tide"]
     assert len({r["goodput_tok_s"] for r in starts.values()}) > 1  # the start ratio matters
-    lend = systems["tide_lend_actor"]  # tide.ers.lend_actor, a system trainer tide runs (opt-in)
+    lend = systems["tide_lend_actor"]  # tide.ers.lend_actor (trainer tide's default without a Ref model)
     assert lend["rollout_ratio"] == systems["tide"]["rollout_ratio"] and lend["goodput_tok_s"] > 0
     free_sync = report["what_if"]["tide_free_sync_lend"]  # the lend with a weight sync of zero seconds
     assert free_sync["rollout_ratio"] == lend["rollout_ratio"] and free_sync["goodput_tok_s"] > 0

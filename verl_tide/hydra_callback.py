@@ -27,4 +27,4 @@ class ValidateTideConfig(Callback):
         self.tide_config: TideConfig = tide_config_from_job(job)
         if trainer_mode == TRAINER_MODE and layout is not None:
             plain = OmegaConf.to_container(layout, resolve=True) if OmegaConf.is_config(layout) else layout
-            check_layout(OmegaConf.create(plain))
+            check_layout(OmegaConf.create(plain), self.tide_config)

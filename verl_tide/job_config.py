@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,9 +36,27 @@ def tide_config_from_job(config: DictConfig) -> TideConfig:
     return parse_tide_config(container)
 
 
-def check_layout(config: DictConfig) -> None:
-    """Refuse job layouts trainer `tide` cannot run, naming the key and what it accepts."""
+def lend_actor(config: DictConfig, tide: TideConfig) -> tuple[bool, str]:
+    """Whether the job's Actor GPUs get verl's hybrid replica (`tide.ers.lend_actor` against the layout), and why;
+    an explicit `true` the layout cannot honour raises `TideConfigError`. verl's own tests for a Ref model
+    (`need_reference_policy`) and for hybrid replicas (`separate_async`: `hybrid_engine`, default true)."""
+    from verl_tide.ers.lending import resolve_lend_actor
+
+    has_ref = bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)) or bool(
+        OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False))
+    hybrid = OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True)
+    return resolve_lend_actor(tide.ers.lend_actor, has_ref, True if hybrid is None else bool(hybrid))
+
+
+def check_layout(config: DictConfig, tide: Optional[TideConfig] = None) -> None:
+    """Refuse job layouts trainer `tide` cannot run, naming the key and what it accepts (with `tide`, also a
+    `tide.ers.lend_actor = true` the layout cannot honour)."""
     problems = []
+    if tide is not None:
+        try:
+            lend_actor(config, tide)
+        except TideConfigError as e:
+            problems.extend(e.problems)
     rollout = config.actor_rollout_ref.rollout
     if int(rollout.nnodes or 0) < 1 or int(rollout.n_gpus_per_node or 0) < 1:
         problems.append(

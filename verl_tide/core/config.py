@@ -123,9 +123,10 @@ class ERSConfig:
     """Elastic Resource Scaling between rollout and Ref at the weight-sync boundary (paper Sec. 5.2)."""
 
     enabled: bool = field(default=True, metadata=_help("false keeps every rank in its starting role"))
-    lend_actor: bool = field(default=False, metadata=_help(
-        "the Actor's GPUs also roll out (verl's hybrid replicas) until a step has enough ready groups: the cold "
-        "start, evaluations, waits inside a step; jobs without a Ref model"))
+    lend_actor: Literal["auto", True, False] = field(default="auto", metadata=_help(
+        "the Actor's GPUs also roll out (verl's hybrid replicas) while the trainer has nothing to train: the cold "
+        "start, evaluations, waits after an update, as ERS decides; auto: on unless the job has a Ref model or "
+        "actor_rollout_ref.hybrid_engine=false (ers/lending.py: resolve_lend_actor)"))
     lend_kv_bound: float = field(
         default=0.25, metadata=_check(lambda x: 0 <= x <= 1, "0 <= x <= 1",
                                       "after an update, lend the Actor's GPUs only if the rollout waited for KV "
@@ -298,9 +299,9 @@ def _coerce(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path, problems)
     if origin is Literal:
-        if value in args:
+        if any(type(value) is type(a) and value == a for a in args):  # 1 == True, but 1 is not true
             return value
-        problems.append(f"{path} = {value!r}: must be one of {' | '.join(map(str, args))}")
+        problems.append(f"{path} = {value!r}: must be one of {' | '.join(map(_literal_text, args))}")
         return _INVALID
     if tp is bool:
         if isinstance(value, bool):
@@ -323,6 +324,10 @@ def _coerce(tp: Any, value: Any, path: str, problems: list[str]) -> Any:
         problems.append(f"{path} = {value!r}: must be a string")
         return _INVALID
     raise TypeError(f"schema type {tp!r} at {path} is not supported")  # a bug in this module, not user input
+
+
+def _literal_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _names(cls: type) -> str:

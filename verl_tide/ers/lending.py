@@ -17,6 +17,10 @@ verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replic
   goodput by 8% (the Actor waited for ready mini-batches it could have streamed, and the extra replicas made
   trajectories no faster). Unknown rate, cost or saturation: lend (the first switch measures the cost;
   verl's own switch decides the same way).
+- Whether at all (`tide.ers.lend_actor`, `resolve_lend_actor`): by default (`auto`) whenever the job allows it,
+  as verl's own `separate_async` builds its hybrid replicas by default; not with a Ref model (the replica would
+  share verl's combined actor/rollout/ref worker, beside which RA2P's Ref paths are not built) nor with
+  `actor_rollout_ref.hybrid_engine=false` (the user asked for no replica on the trainer's GPUs).
 - Return: once enough is ready that the rest of the step's mini-batches arrive while the ready ones train,
   k of M mini-batches with (M - k) x units x TPRM <= k x train time per mini-batch; one mini-batch when
   either rate is unknown (the trainer streams mini-batches).
@@ -28,9 +32,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
+from verl_tide.core.config import TideConfigError
 from verl_tide.ers.policy import Phase
+
+
+def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_engine: bool) -> tuple[bool, str]:
+    """`tide.ers.lend_actor` for one job: whether its Actor's GPUs get verl's hybrid replica, and why. An explicit
+    `true` the job cannot honour is an error naming the keys; `auto` says which key kept lending off."""
+    blockers = []
+    if has_ref_model:
+        blockers.append("a Ref model (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward): the "
+                        "replica would share verl's combined actor/rollout/ref worker, beside which RA2P's Ref "
+                        "paths are not built yet")
+    if not hybrid_engine:
+        blockers.append("actor_rollout_ref.hybrid_engine = false: no rollout replica on the trainer's GPUs")
+    if setting is True and blockers:
+        raise TideConfigError([f"tide.ers.lend_actor = true with {b}; set tide.ers.lend_actor = auto or false"
+                               for b in blockers])
+    if setting is False:
+        return False, "tide.ers.lend_actor = false"
+    if blockers:
+        return False, f"tide.ers.lend_actor = auto, off: the job has {blockers[0]}"
+    return True, f"tide.ers.lend_actor = {'auto' if setting == 'auto' else 'true'}"
 
 
 @dataclass(frozen=True)

@@ -124,8 +124,9 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
 
     best = best_async.rollout_ratio
     results["tide"] = tide(best)
-    # tide.ers.lend_actor (opt-in in trainer tide): the Actor's GPUs roll out through the cold start, before
-    # evaluations and after updates when ERS expects the wait for data to pay for the switch.
+    # tide.ers.lend_actor (trainer tide's default without a Ref model; these jobs model one, which trainer tide
+    # does not lend beside yet): the Actor's GPUs roll out through the cold start, before evaluations and after
+    # updates when ERS expects the wait for data to pay for the switch.
     results["tide_lend_actor"] = tide(best, "tide_lend_actor", lend=True)
     # Not a system: the lend plus a weight sync that costs nothing (no pause of the rollout ranks, no wait before
     # the next step). What tide still waits there is neither the sync nor the cold start. Not an upper bound: a

@@ -23,7 +23,7 @@ from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metri
                                        tide_overrides, with_overrides)
 
 REWARD = "critic/score/mean"
-LENDING = "tide + lend_actor"
+NO_LENDING = "tide, tide.ers.lend_actor=false"
 _STEP = re.compile(r"step:(\d+) - ")
 HIT_RATE_PREFIX = "tide/engine/prefix_hit_rate/"
 
@@ -74,8 +74,8 @@ def fast_poll_overrides(trainer_mode: str) -> tuple[str, ...]:
 def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
-    `tide_rollout_gpus` of them. Lending the Actor's GPU is left out for a job with a Ref model (trainer tide
-    refuses that combination). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`)
+    `tide_rollout_gpus` of them (and, lending by default, the Actor's too; without a Ref model, tide without
+    lending is run beside it). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`)
     and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
     tide's number its faster look at TransferQueue is."""
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
@@ -96,15 +96,19 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             label = f"verl separate_async {job.n_gpus - rollout}T/{rollout}R" + (" + hybrid switch" if switch else "")
             out.append(System(label, (*split, f"trainer.v1.separate_async.hybrid_rollout.enable_switch={switch}"),
                               rollout))
-    tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus), f"tide.max_staleness={max_staleness}")
-    out.append(System("tide", tide, tide_rollout_gpus))
+    # tide as a user gets it: `+tide=enabled` with its defaults (tide.ers.lend_actor=auto: the Actor's GPUs roll
+    # out as ERS decides, unless the job has a Ref model)
+    tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus, lend_actor=None),
+            f"tide.max_staleness={max_staleness}")
+    lends = not job.use_kl_loss
+    out.append(System("tide", tide, job.n_gpus if lends else tide_rollout_gpus))
     if attribution:
-        out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_rollout_gpus))
+        out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), job.n_gpus if lends else tide_rollout_gpus))
         out.append(System(f"{WHAT_IF}verl sync, 0.2 s poll", fast_poll_overrides("sync"), job.n_gpus))
         out.append(System(f"{WHAT_IF}verl colocate_async, 0.2 s poll",
                           (*colocate, *fast_poll_overrides("colocate_async")), job.n_gpus))
-    if not job.use_kl_loss:  # ERS lending the Actor's GPUs to rollout (verl's hybrid replica; not the default yet)
-        out.append(System(LENDING, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
+    if lends:  # what lending the Actor's GPUs adds: tide without it
+        out.append(System(NO_LENDING, (*tide, "tide.ers.lend_actor=false"), tide_rollout_gpus))
     return out
 
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[demo] environment service {env_url} (tiny_slow, latency x{args.latency_scale})", flush=True)
     agent = env_agent_overrides(env_url)
     runs = {"stock": with_overrides(grpo_overrides(job), agent),
-            "tide": under_tide(with_overrides(grpo_overrides(job), [*agent, *tide_overrides(job)]))}
+            "tide": under_tide(with_overrides(grpo_overrides(job), [*agent, *tide_overrides(job, lend_actor=None)]))}
     results: dict[str, dict] = {}
     try:
         for name, overrides in runs.items():

@@ -139,9 +139,13 @@ def with_overrides(base: list[str], extra: list[str]) -> list[str]:
     return [o for o in base if override_key(o) not in keys] + list(extra)
 
 
-def tide_overrides(job: GRPOJob, rollout_gpus: int = 1) -> list[str]:
+def tide_overrides(job: GRPOJob, rollout_gpus: int = 1, lend_actor: bool | None = False) -> list[str]:
     """What turns a test-bed GRPO job into trainer `tide`: `+tide=enabled`, rollout on its own fake GPUs
-    (`job.n_gpus` - `rollout_gpus` train), and the one-node weight-sync backend `tide_shm`."""
+    (`job.n_gpus` - `rollout_gpus` train), and the one-node weight-sync backend `tide_shm`.
+
+    `lend_actor`: `tide.ers.lend_actor` (None: the default, `auto`). False by default here: lending starts a
+    second vLLM-CPU engine on the Actor's fake GPU (about 70 s of start-up on 2 cores), so jobs that test other
+    parts leave it out and the lending job tests the default."""
     trainer_gpus = job.n_gpus - rollout_gpus
     if trainer_gpus < 1 or rollout_gpus < 1:
         raise ValueError(f"GRPOJob.n_gpus = {job.n_gpus}, rollout_gpus = {rollout_gpus}: trainer tide needs at least "
@@ -152,6 +156,7 @@ def tide_overrides(job: GRPOJob, rollout_gpus: int = 1) -> list[str]:
         "actor_rollout_ref.rollout.nnodes=1",
         f"actor_rollout_ref.rollout.n_gpus_per_node={rollout_gpus}",
         "actor_rollout_ref.rollout.checkpoint_engine.backend=tide_shm",
+        *([] if lend_actor is None else [f"tide.ers.lend_actor={str(lend_actor).lower()}"]),
     ]
 
 

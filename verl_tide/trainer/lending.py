@@ -1,4 +1,5 @@
-"""ERS lends the Actor's GPUs to rollout (`tide.ers.lend_actor`): verl's hybrid replicas on the trainer's GPUs.
+"""ERS lends the Actor's GPUs to rollout (`tide.ers.lend_actor`, on by default where the job allows it): verl's
+hybrid replicas on the trainer's GPUs.
 
 Why: the Actor's GPUs have nothing to train until a step's first mini-batch is ready: the cold start, the
 waits inside steps that start with too little ready data, evaluations. verl's `separate_async` already
@@ -18,7 +19,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping
 
-from verl_tide.core.config import TideConfigError
 from verl_tide.ers.lending import LendDecision, LendingInputs
 
 
@@ -32,15 +32,6 @@ def switch_config(config: Any, lend: bool) -> Any:
     block = config.trainer.v1.get("separate_async", {}).get("hybrid_rollout", None)
     base = omega_conf_to_dataclass(block) if block is not None else HybridRolloutSwitchConfig()
     return replace(base, enable_switch=True)
-
-
-def check(lend: bool, use_reference_policy: bool) -> None:
-    if lend and use_reference_policy:
-        raise TideConfigError([
-            "tide.ers.lend_actor = true with a Ref model (actor_rollout_ref.actor.use_kl_loss or "
-            "algorithm.use_kl_in_reward): not built yet (the lent replica would share verl's combined "
-            "actor/rollout/ref worker with the Ref, beside which RA2P's Ref paths are not built); set "
-            "tide.ers.lend_actor = false"])
 
 
 def lent_turns(turns_served: Mapping[str, int], actor_servers: list[str]) -> float:

@@ -33,7 +33,7 @@ from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, validation_buffer
-from verl_tide.job_config import TRAINER_MODE, check_layout, tide_config_from_job
+from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
 from verl_tide.trainer.rank_health import RankHealth
@@ -61,17 +61,18 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def __init__(self, config: DictConfig):
         self.tide_config = tide_config_from_job(config)
-        check_layout(config)
+        check_layout(config, self.tide_config)
         self.clock = time.monotonic
         self.readiness = ReadinessTracker(clock=self.clock)
         self.ledger = GoodputLedger(clock=self.clock)
         self.stage_timer = StageTimer()
-        # rollout on its own ranks, and with tide.ers.lend_actor on the Actor's GPUs too (lending.py)
-        self._enable_hybrid_replicas = self.tide_config.ers.lend_actor
+        # rollout on its own ranks, and unless tide.ers.lend_actor says no, on the Actor's GPUs too (lending.py)
+        self._enable_hybrid_replicas, why = lend_actor(config, self.tide_config)
+        print(f"verl-tide: ERS {'may lend' if self._enable_hybrid_replicas else 'does not lend'} the Actor's GPUs "
+              f"to rollout ({why})", flush=True)
         verl_compat.init_without_separate_async(self, config)
         self.parameter_sync_step = int(config.data.train_batch_size) // int(
             config.actor_rollout_ref.actor.ppo_mini_batch_size)
-        lending.check(self._enable_hybrid_replicas, bool(self.use_reference_policy))
         self.hybrid_rollout_config = lending.switch_config(config, self._enable_hybrid_replicas)
         if self._enable_hybrid_replicas:
             verl_compat.check_hybrid_switch_hooks(PPOTrainerSeparateAsync)
