@@ -3,6 +3,8 @@ checkpoint-copy locks in the temp dir (they piled up by the hundred over test ru
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 
 from verl_tide.testing.testbed import clean_run_files, run_files
@@ -212,3 +214,38 @@ def test_a_runs_compile_cache_outlives_its_temp_dir(tmp_path, monkeypatch):
     with run_scratch() as env:
         assert env["TORCHINDUCTOR_CACHE_DIR"] == "/opt/cache"
         assert env["TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS"] == "1"
+
+
+def test_two_jobs_at_once_each_have_their_own_top_level_tmp_files_and_share_its_directories(tmp_path):
+    """verl 0.9.1's weight-sync socket is /tmp/rl-colocate-zmq-<ray job id>-..., and every fresh Ray cluster's first
+    job id is the same: two jobs side by side (the suite's two workers) met on one socket and crossed weights
+    (`private_tmp.py`). Each wrapped job sees only its own top-level /tmp files; directories that existed at
+    launch (pytest's temp dirs, the run's scratch, the compile cache) are the shared ones."""
+    import subprocess
+    import uuid
+
+    from verl_tide.testing import private_tmp
+
+    allowed, why = private_tmp.namespaces_allowed()
+    name = f"/tmp/rl-colocate-zmq-test-{uuid.uuid4().hex}.sock"
+    script = ("import os, sys, time; tag, name, shared = sys.argv[1:]; open(name, 'w').write(tag); time.sleep(1.0); "
+              "print(open(name).read()); open(os.path.join(shared, tag), 'w').write(tag)")
+    cmds = [private_tmp.wrap([sys.executable, "-c", script, tag, name, str(tmp_path)]) for tag in ("a", "b")]
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]  # a directory that existed: shared
+    if allowed:
+        assert [o.strip() for o, _ in outs] == ["a", "b"]  # each read back its own file, not the other's
+        assert not os.path.exists(name)  # and it went with the job
+    else:  # the machine allows no namespaces: the jobs run as before, and say so
+        assert all("no private /tmp for this job" in err for _, err in outs), (why, outs)
+        os.remove(name)
+
+
+def test_without_namespaces_a_job_runs_unchanged_and_says_why(monkeypatch, capsys):
+    from verl_tide.testing import private_tmp
+
+    monkeypatch.setattr(private_tmp, "namespaces_allowed", lambda: (False, "unshare: Operation not permitted"))
+    assert private_tmp.wrap(["python", "-V"]) == ["python", "-V"]
+    assert "no private /tmp for this job (unshare: Operation not permitted)" in capsys.readouterr().err

@@ -180,8 +180,13 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
 
 def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, timeout_s: float,
                   log_path: str | Path | None, on_line: Callable[[str], None] | None) -> RunResult:
+    from verl_tide.testing import private_tmp
+
     env.setdefault("RAY_DEDUP_LOGS", "0")
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides]
+    if env.get("TORCHINDUCTOR_CACHE_DIR"):  # exists before the job's private /tmp binds it back (shared cache)
+        os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
+    # a /tmp of its own for the files the job creates there (verl's fixed weight-sync socket paths: private_tmp.py)
+    cmd = private_tmp.wrap([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
     start = time.monotonic()
     log = open(log_path, "w") if log_path else None
     lines: list[str] = []
