@@ -38,13 +38,14 @@ FAULTY_ROWS = (1, 6)  # tide_run's tasks whose environment raises at the first s
 def tide_run(job, env_service_url, tmp_path_factory):
     """The multi-turn environment job with the KL loss and a tide Ref replica on a fake GPU of its own
     (tide.ra2p.ref_ranks=1), colocated, two mini-batches a step, tide.ra2p.zero_copy=false (verl's data path:
-    ref_log_prob through TransferQueue, read by verl's own loss); evaluation every step; two faulty tasks."""
+    ref_log_prob through TransferQueue, read by verl's own loss); evaluation every step; two faulty tasks;
+    tide.ers.lend_actor at its default (auto: off with a Ref model)."""
     work = tmp_path_factory.mktemp("tide_grpo")
     train = write_env_task_parquet(work / "train.parquet", 24, env="tiny_slow",
                                    row_task={i: {"fail_at_turn": 1} for i in FAULTY_ROWS})
     kl_job = _kl_job(job)
     overrides = with_overrides(grpo_overrides(kl_job), [
-        *tide_overrides(kl_job), *_ref_rank_overrides("colocated"),
+        *tide_overrides(kl_job, lend_actor=None), *_ref_rank_overrides("colocated"),  # lending at its default
         "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"tide.env.url={env_service_url}",
         "tide.env.max_tokens_per_turn=8", "trainer.test_freq=1", f"data.train_files={train}",
         "tide.ra2p.zero_copy=false"])
@@ -183,6 +184,11 @@ def test_colocated_ready_batch_aggregation_scores_later_mini_batches_in_one_ref_
     steps = parse_step_metrics(tide_run.output)
     _check_kl_run(tide_run, steps, one_update_per_step=False)
     assert "RA2P colocated hand-off" not in tide_run.output
+    # lending's default leaves the Actor's GPU to the Actor in a job with a Ref model, and says why
+    assert ("verl-tide: ERS does not lend the Actor's GPUs to rollout (tide.ers.lend_actor = auto, off: the job "
+            "has a Ref model") in tide_run.output
+    assert all("tide/ers/actor_lent_turns" not in steps[n] for n in steps)  # no replica on the Actor's GPU
+    assert "Lending hybrid engine" not in tide_run.output
     last = steps[STEPS]
     trained_mini_batches = 2 * STEPS
     assert last["tide/ra2p/aggregation_bursts"] + last["tide/ra2p/aggregation_batches_without_ref_pass"] \
