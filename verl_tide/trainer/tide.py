@@ -148,9 +148,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         verl_compat.setup_without_colocated_rollout(self)  # actor (and Ref) worker groups, reward loop
         if layout.pool_wanted:
             self.use_reference_policy = True
-        ref_wg = getattr(self, "ref_policy_wg", None)
-        # with lending beside verl's Ref, verl builds one actor/rollout/ref worker: its Ref is in the Actor's group
-        self.ref.bind(self.actor_rollout_wg, ref_wg, bool(self.ref_in_actor) or ref_wg is self.actor_rollout_wg)
+        self.ref.bind(self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), bool(self.ref_in_actor))
         if layout.pool_wanted or layout.beside_verl_ref:
             self.ref.start_pool()
         if self.ref.handoff:
