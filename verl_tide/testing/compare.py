@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from verl_tide.ers.lending import resolve_lend_actor
 from verl_tide.testing.demo import env_agent_overrides, under_tide
 from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metrics, run_with_env_service,
                                        tide_overrides, with_overrides)
@@ -100,10 +101,11 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
     # out as ERS decides, unless the job has a Ref model)
     tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus, lend_actor=None),
             f"tide.max_staleness={max_staleness}")
-    lends = not job.use_kl_loss
-    out.append(System("tide", tide, job.n_gpus if lends else tide_rollout_gpus))
+    lends, _ = resolve_lend_actor("auto", has_ref_model=job.use_kl_loss, hybrid_engine=True)  # trainer tide's rule
+    tide_gpus = job.n_gpus if lends else tide_rollout_gpus
+    out.append(System("tide", tide, tide_gpus))
     if attribution:
-        out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), job.n_gpus if lends else tide_rollout_gpus))
+        out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_gpus))
         out.append(System(f"{WHAT_IF}verl sync, 0.2 s poll", fast_poll_overrides("sync"), job.n_gpus))
         out.append(System(f"{WHAT_IF}verl colocate_async, 0.2 s poll",
                           (*colocate, *fast_poll_overrides("colocate_async")), job.n_gpus))

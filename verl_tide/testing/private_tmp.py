@@ -30,9 +30,13 @@ import sys
 MS_BIND, MS_REC = 4096, 16384
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
 def _mount(source: str, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
+    if _libc().mount(source.encode(), target.encode(), fstype.encode() if fstype else None, flags,
                   data.encode() if data else None) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"mount {source} -> {target}: {os.strerror(err)}")

@@ -61,7 +61,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def __init__(self, config: DictConfig):
         self.tide_config = tide_config_from_job(config)
-        check_layout(config, self.tide_config)
+        check_layout(config)  # the lending keys: `lend_actor` below (the driver's callback checks both at once)
         self.clock = time.monotonic
         self.readiness = ReadinessTracker(clock=self.clock)
         self.ledger = GoodputLedger(clock=self.clock)
