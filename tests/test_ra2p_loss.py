@@ -151,3 +151,29 @@ def test_a_micro_batch_that_carries_ref_log_probs_gets_verls_loss_unchanged(mode
     assert float(loss) == pytest.approx(float(loss_verl), rel=1e-6)
     assert metrics["kl_loss"].values == metrics_verl["kl_loss"].values  # verl reports the KL itself
     assert deferred.last_kl_loss is None
+
+
+def test_kl_tally_reports_an_update_as_verl_reduces_its_own_kl_loss():
+    """verl: a mini-batch's `kl_loss` is the sum of its micro-batches' (each normalised by the whole mini-batch),
+    averaged over ranks; an update's is the mean over its mini-batches. Two mini-batches of unequal size, 2 ranks,
+    2 micro-batches per rank each."""
+    import numpy as np
+    from verl.utils.metric.utils import Metric
+
+    from verl_tide.ra2p.loss import KLLossTally, kl_report
+
+    # (rank, tokens, masked KL sum) per micro-batch, per mini-batch
+    mini_batches = [[(0, 10, 1.0), (0, 30, 6.0), (1, 20, 2.0), (1, 40, 4.0)],
+                    [(0, 5, 0.5), (0, 5, 1.5), (1, 15, 0.3), (1, 25, 0.2)]]
+    tally, verl_per_mini_batch = KLLossTally(), []
+    for micro in mini_batches:
+        batch_tokens = sum(t for _, t, _ in micro)
+        info = {"dp_size": 2, "batch_num_tokens": batch_tokens}
+        per_rank = {0: Metric("sum"), 1: Metric("sum")}
+        for rank, tokens, kl_sum in micro:
+            value = kl_sum / batch_tokens * 2  # verl's agg_loss, token-mean
+            per_rank[rank].append(value)
+            tally.add(*kl_report(value, tokens, info))
+        verl_per_mini_batch.append(Metric.aggregate_dp([per_rank[0], per_rank[1]]))
+    assert tally.take() == pytest.approx(float(np.mean(verl_per_mini_batch)))
+    assert tally.take() is None  # the next update starts empty

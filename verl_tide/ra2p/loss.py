@@ -8,7 +8,8 @@ Actor forward and Actor backward can then overlap (paper Sec. 5.1, Fig. 6); the 
 same as verl's, term for term. Install it with verl's `set_loss_fn` on the actor worker.
 
 Mechanism layer: torch + verl's loss helpers, no Ray. The KL value itself is only known in the
-backward pass, so it is reported through `DeferredKLLoss.last_kl_loss` rather than the forward metrics.
+backward pass, so it is reported through `DeferredKLLoss.last_kl_loss` and the source's `report_kl`
+(aggregated as verl aggregates its own, `KLLossTally`) rather than the forward metrics.
 A micro-batch whose data already carries `ref_log_prob` (a colocated step) gets verl's `ppo_loss` unchanged,
 so trainer `tide` can switch RA2P's mode per step with one installed loss.
 """
@@ -93,8 +94,39 @@ class _DeferredKL(torch.autograd.Function):
         spec["owner"].last_kl_loss = float(kl_loss.detach())
         report = getattr(spec["source"], "report_kl", None)
         if report is not None:  # the value exists only here: hand it to whoever logs the step
-            report(float(kl_loss.detach()))
+            report(*kl_report(float(kl_loss.detach()), int(spec["response_mask"].sum()), spec["global_batch_info"]))
         return grad_out * grad, None
+
+
+def kl_report(kl_loss: float, tokens: int, global_batch_info: dict[str, Any]) -> tuple[float, float]:
+    """One micro-batch's KL for `KLLossTally`: its value over the data-parallel size, and its share of the
+    mini-batch. verl's `kl_loss` of a micro-batch is already normalised by the whole mini-batch (all ranks), and
+    verl reports a mini-batch as the sum of its micro-batches, averaged over ranks; a plain mean over
+    micro-batches would divide the KL by the number of micro-batches per rank."""
+    dp_size = int(global_batch_info.get("dp_size") or 1)
+    batch_tokens = global_batch_info.get("batch_num_tokens")
+    share = tokens / float(batch_tokens) if batch_tokens else 1.0  # no global count: verl averages micro-batches
+    return kl_loss / dp_size, share
+
+
+class KLLossTally:
+    """verl's `actor/kl_loss` of one update from its micro-batches' `kl_report`s: the mean over mini-batches of
+    each mini-batch's KL. The shares of one mini-batch's micro-batches, over all ranks, add up to one, so
+    sum(values) / sum(shares) is that mean however many mini-batches, epochs and micro-batches the update ran."""
+
+    def __init__(self) -> None:
+        self.values = 0.0
+        self.shares = 0.0
+
+    def add(self, value: float, share: float) -> None:
+        self.values += value
+        self.shares += share
+
+    def take(self) -> Optional[float]:
+        """The update's KL loss, or None when nothing was reported; starts the next update's tally."""
+        values, shares = self.values, self.shares
+        self.values = self.shares = 0.0
+        return values / shares if shares > 0 else None
 
 
 class DeferredKLLoss:

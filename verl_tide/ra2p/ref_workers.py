@@ -21,6 +21,8 @@ from typing import Any, Optional
 import ray
 import torch
 
+from verl_tide.ra2p.loss import KLLossTally
+
 REF_FIELD = "ref_log_prob"
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -56,7 +58,7 @@ class RefLogProbService:
         self._data: dict[int, torch.Tensor] = {}
         self._arrived = asyncio.Condition()
         self.counters = {"put": 0, "served": 0}
-        self._kl: list[float] = []  # KL-loss values reported by the Actor's backward since the last `take_kl`
+        self._kl = KLLossTally()  # KL-loss values reported by the Actor's backward since the last `take_kl`
 
     async def put(self, sample_ids: list[int], rows: list[torch.Tensor]) -> None:
         async with self._arrived:
@@ -85,13 +87,12 @@ class RefLogProbService:
     def stats(self) -> dict[str, int]:
         return {**self.counters, "held": len(self._data)}
 
-    def report_kl(self, value: float) -> None:
-        self._kl.append(float(value))
+    def report_kl(self, value: float, share: float) -> None:
+        self._kl.add(value, share)
 
     def take_kl(self) -> Optional[float]:
-        """Mean KL loss of the micro-batches since the last call (verl's `actor/kl_loss`), or None."""
-        values, self._kl = self._kl, []
-        return sum(values) / len(values) if values else None
+        """The KL loss of the update since the last call, as verl reports `actor/kl_loss`, or None."""
+        return self._kl.take()
 
 
 class SharedRows:
@@ -159,10 +160,10 @@ class ServiceRefSource:
             rows.update(zip(missing, materialize(ray.get(self._service.get.remote(missing, timeout_s)))))
         return [rows[int(i)] for i in sample_ids]
 
-    def report_kl(self, value: float) -> None:
+    def report_kl(self, value: float, share: float) -> None:
         if self._service is None:
             self._service = ray.get_actor(self.service_name)
-        ray.get(self._service.report_kl.remote(value))  # before the update returns, so the step's log has it
+        ray.get(self._service.report_kl.remote(value, share))  # before the update returns, so the step's log has it
 
 
 class RefReplica:
