@@ -91,13 +91,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG (default: next to --json, else in --workdir)")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
+    ap.add_argument("--reuse", default=None, metavar="JSON",
+                    help="an earlier run's JSON: its runs of the systems not re-run here join the comparison "
+                         "(their date is kept in the output; e.g. --systems tide --reuse "
+                         "benchmarks/results/learning_parity_cpu.json re-runs tide only)")
     args = ap.parse_args(argv)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_parity_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     names = args.systems.split(",") if args.systems else ["verl sync", args.stock or default_stock(), "tide"]
-    reference = "verl sync" if "verl sync" in names else names[0]
-    runs: dict[str, list[dict]] = {name: [] for name in names}
+    reused: dict[str, list[dict]] = {}
+    reused_from: dict = {}
+    if args.reuse:
+        earlier = json.loads(Path(args.reuse).read_text())
+        reused = {name: rs[:args.seeds] for name, rs in earlier["runs"].items() if name not in names}
+        short = [name for name, rs in reused.items() if len(rs) < args.seeds]
+        if short:
+            raise SystemExit(f"--reuse: {args.reuse} has fewer than {args.seeds} seeds of {short}")
+        reused_from = {"path": args.reuse, "date": earlier.get("date"), "systems": sorted(reused)}
+    every = list(reused) + names
+    reference = "verl sync" if "verl sync" in every else every[0]
+    runs: dict[str, list[dict]] = {**reused, **{name: [] for name in names}}
     started = time.time()
     for seed in range(args.seeds):
         job = demo_job(work, args.steps, 4, 2, env="tiny_learn", seed=seed, task={"low": 1, "high": LEARN_HIGH})
@@ -139,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "task": "tiny_learn", "steps": args.steps, "seeds": args.seeds,
         "clock": "first /start to the step's metrics line", "benchmark_s": time.time() - started,
-        **summary, "runs": runs}, indent=2, default=str))
+        "reused": reused_from or None, **summary, "runs": runs}, indent=2, default=str))
     print(f"[parity] {out}, {png}")
     return 0
 
