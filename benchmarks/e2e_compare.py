@@ -29,6 +29,7 @@ from dataclasses import replace
 
 from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, chosen, is_tide, over_repeats,
                                        run_order, run_system, systems)
+from verl_tide.testing import timeline
 from verl_tide.testing.demo import demo_job, plot_rewards
 
 
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every system, the order reversed every other round; each system's result is "
                          "its median-goodput run, with every run's goodput beside it")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also record where each run's clock went (the trainer's phases, each engine's load polled "
+                         "from its /metrics every 0.5 s): a table, timeline.png in --workdir, and the JSON; the "
+                         "poll loads the engines, so do not take headline figures from these runs")
     ap.add_argument("--attribution", action="store_true",
                     help=f"also run '{POLL_AS_VERL}' (tide.sample_poll_s=2: how much of tide's number is its "
                          "faster look for ready groups)")
@@ -81,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             system = ran[name]
             print(f"[compare] round {round_index + 1}: {name}: {len(system.overrides)} overrides on the job's own",
                   flush=True)
-            r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra)
+            r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra,
+                           timeline=args.timeline)
             runs[name].append(r)
             print(f"[compare] round {round_index + 1}: {name}: " + (
                 f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
@@ -119,12 +125,35 @@ def main(argv: list[str] | None = None) -> int:
                   for name, r in finished.items()}
         plot_rewards(curves, work / f"rewards_by_{axis}.png", f"reward ({REWARD}) against {axis}",
                      xlabel="step" if axis == "step" else "wall-clock s from the first rollout request")
+    if args.timeline:
+        print_timeline(finished)
+        timeline.plot(finished, str(work / "timeline.png"))
+        print(f"[compare] {work / 'timeline.png'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "preset": args.preset,
                                               "clock": "first /start to the last step's metrics line",
                                               "repeats": max(1, args.repeats),
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
+
+
+def print_timeline(finished: dict[str, dict]) -> None:
+    """Where each system's clock went: the trainer's phases (seconds over the run) and each engine's load."""
+    from verl_tide.testing.timeline import STEP_PHASES
+
+    names = [n for n in finished if finished[n].get("timeline")]
+    if not names:
+        return
+    phases = [p for p in ("between steps", *STEP_PHASES, "other in step", "testing")
+              if any(finished[n]["timeline"]["phase_totals_s"].get(p) for n in names)]
+    print(f"\nwhere the clock went (s, verl's timing_s laid out in its order; engines: share of polls running, "
+          f"mean running, tokens/s)\n{'system':>44} | " + " | ".join(f"{p[:12]:>12}" for p in phases) + " | engines")
+    for n in names:
+        t = finished[n]["timeline"]
+        engines = "; ".join(f"{e['busy_share']:.0%} {e['mean_running']:.1f} {e['tokens_per_s']:.0f}"
+                            for e in t["engines"].values())
+        print(f"{n:>44} | " + " | ".join(f"{t['phase_totals_s'].get(p, 0.0):>12.2f}" for p in phases)
+              + f" | {engines}")
 
 
 if __name__ == "__main__":

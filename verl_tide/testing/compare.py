@@ -141,23 +141,60 @@ def job_overrides(job: GRPOJob, system: System, agent: list[str]) -> list[str]:
 
 
 def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, timeout_s: float,
-               extra: tuple[str, ...] = ()) -> dict:
+               extra: tuple[str, ...] = (), timeline: bool = False) -> dict:
     """One run of `system` on `job` against an environment service of its own (its first /start is the run's
     clock zero): `wall_clock_summary`'s numbers, the mechanisms that acted and the episodes' count, or the exit
-    code and the log's tail when the job failed."""
+    code and the log's tail when the job failed. `timeline`: also where the clock went (`testing/timeline.py`:
+    the trainer's phases, each engine's load, polled from its /metrics)."""
+    from verl_tide.testing.timeline import EnginePoller
+
     work.mkdir(parents=True, exist_ok=True)
     lines: list[tuple[float, str]] = []
+    poller = EnginePoller() if timeline else None
+
+    def on_line(line: str) -> None:
+        lines.append((time.time(), line))
+        if poller is not None:
+            poller.watch_line(line)
+
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
     started = time.time()
-    run, health = run_with_env_service(
-        lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
-        latency_scale=latency_scale,
-        timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=lambda line: lines.append((time.time(), line)))
+    try:
+        run, health = run_with_env_service(
+            lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
+            latency_scale=latency_scale, timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=on_line)
+    finally:
+        if poller is not None:
+            poller.stop()
     if run.returncode != 0:
         return {"returncode": run.returncode, "error": run.output[-3000:]}
     summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
-    return {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
-            "episodes_started": health["started"], "episodes_ended": health["ended"]}
+    result = {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
+              "episodes_started": health["started"], "episodes_ended": health["ended"]}
+    if poller is not None:
+        result["timeline"] = run_timeline(lines, health["first_start_unix"], summary["wall_s"], poller.samples)
+    return result
+
+
+def run_timeline(timed_lines: list[tuple[float, str]], first_request_unix: float, wall_s: float,
+                 engine_samples: dict) -> dict:
+    """The trainer's phases per step and over the run, and each engine's load, on the run's clock."""
+    from verl_tide.testing.timeline import engine_load, phase_totals, trainer_phases
+
+    arrivals, steps = _step_lines(timed_lines)
+    phases = trainer_phases(steps, arrivals, first_request_unix)
+    return {"trainer": phases, "phase_totals_s": phase_totals(phases),
+            "engines": engine_load(engine_samples, first_request_unix, wall_s)}
+
+
+def _step_lines(timed_lines: list[tuple[float, str]]) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """When each step's metrics line arrived, and each step's metrics."""
+    arrivals: dict[int, float] = {}
+    for t, text in timed_lines:
+        for match in _STEP.finditer(text):
+            arrivals.setdefault(int(match.group(1)), t)
+    steps = parse_step_metrics("".join(text if text.endswith("\n") else text + "\n" for _, text in timed_lines))
+    return arrivals, steps
 
 
 def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,
@@ -166,11 +203,7 @@ def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float
 
     `timed_lines`: (Unix time the line arrived, text) for every output line of the run; `started_unix`: when the
     job was launched; `first_request_unix`: the environment service's first /start (None: no episode started)."""
-    arrivals: dict[int, float] = {}
-    for t, text in timed_lines:
-        for match in _STEP.finditer(text):
-            arrivals.setdefault(int(match.group(1)), t)
-    steps = parse_step_metrics("".join(text if text.endswith("\n") else text + "\n" for _, text in timed_lines))
+    arrivals, steps = _step_lines(timed_lines)
     done = sorted(n for n in steps if n in arrivals)
     if not done or first_request_unix is None:
         raise ValueError(f"no step finished or no rollout request seen (steps {sorted(steps)}, first request "
