@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
                          "every trainer GPU count 3 fake GPUs allow)")
     ap.add_argument("--n", type=int, default=2, help="trajectories per prompt (GRPO group size)")
     ap.add_argument("--gpus", type=int, default=None, help="fake GPUs per job (demo 2, every_part 3)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="episodes, verl's data order and the rollout's sampling seed (as learning_parity.py)")
     ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
     ap.add_argument("--latency-scale", type=float, default=None,
                     help="multiply environment latency (0 = none; demo 1, every_part 2)")
@@ -71,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     every_part = args.preset == "every_part"
     gpus = args.gpus or (3 if every_part else 2)
     latency = args.latency_scale if args.latency_scale is not None else (2.0 if every_part else 1.0)
-    job = demo_job(work, args.steps, args.batch or (6 if every_part else 4), args.n, gpus)
-    extra: tuple[str, ...] = ()
+    job = demo_job(work, args.steps, args.batch or (6 if every_part else 4), args.n, gpus, seed=args.seed)
+    extra: tuple[str, ...] = (f"data.seed={args.seed}", f"actor_rollout_ref.rollout.seed={args.seed}") \
+        if args.seed else ()
     if every_part:
         job = replace(job, use_kl_loss=True)
-        extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
-                 "trainer.test_freq=3")
+        extra += (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
+                  "trainer.test_freq=3")
     available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1,
                                             attribution=args.attribution)}
     ran = {name: available[name] for name in chosen(list(available), args.only)}
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "preset": args.preset,
                                               "clock": "first /start to the last step's metrics line",
-                                              "repeats": max(1, args.repeats),
+                                              "repeats": max(1, args.repeats), "seed": args.seed,
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
 

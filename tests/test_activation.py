@@ -101,13 +101,14 @@ def test_a_layout_tide_cannot_run_fails_in_the_driver_before_ray_starts(tmp_path
     """verl's defaults colocate rollout with the trainer (no rollout ranks, the in-process `naive` weight sync):
     trainer tide refuses them, naming the keys, from the Hydra callback, not after a cluster start-up."""
     proc = _main_ppo(["+tide=enabled", "data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-                      "tide.ers.lend_actor=true", "actor_rollout_ref.actor.use_kl_loss=true"], tmp_path)
+                      "tide.ers.lend_actor=true", "actor_rollout_ref.actor.use_kl_loss=true", "tide.ra2p.ref_ranks=1"],
+                     tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     for expected in ("actor_rollout_ref.rollout.nnodes = 0, n_gpus_per_node = 8: trainer tide runs rollout on its own",
                      "checkpoint_engine.backend = naive", "tide_shm",
                      "data.train_batch_size = 6: must be a multiple of actor_rollout_ref.actor.ppo_mini_batch_size = 4",
-                     "tide.ers.lend_actor = true with a Ref model (actor_rollout_ref.actor.use_kl_loss"):
+                     "tide.ers.lend_actor = true with a Ref model on tide's Ref replicas (tide.ra2p.ref_ranks"):
         assert expected in out, out[-3000:]
     assert "ray init kwargs" not in out and "Started a local Ray instance" not in out
     # the same job under another trainer mode is not tide's to refuse

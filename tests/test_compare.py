@@ -74,8 +74,10 @@ def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_a
 
     job = replace(_job(3), use_kl_loss=True)
     ran = systems(job, tide_rollout_gpus=2)
-    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide"]  # lending is off with a Ref model
-    keys = dict(o.split("=", 1) for o in ran[-1].overrides)
+    # lending is off by default with a Ref model; asked for, it runs beside verl's Ref
+    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide", "tide, tide.ers.lend_actor=true"]
+    assert set(ran[-1].overrides) - set(ran[-2].overrides) == {"tide.ers.lend_actor=true"}
+    keys = dict(o.split("=", 1) for o in ran[-2].overrides)
     assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == "2" and keys["trainer.n_gpus_per_node"] == "1"
 
 

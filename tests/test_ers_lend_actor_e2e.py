@@ -111,31 +111,45 @@ def test_lending_is_on_by_default_where_the_layout_allows_and_refused_naming_the
     from verl_tide.core.config import parse_tide_config
     from verl_tide.job_config import check_layout, lend_actor
 
-    def job(setting=None, **keys):
+    def job(setting=None, tide_raw=None, **keys):
         raw = {"actor_rollout_ref": {"hybrid_engine": keys.get("hybrid", True),
                                      "actor": {"use_kl_loss": keys.get("kl_loss", False)}},
                "algorithm": {"use_kl_in_reward": keys.get("kl_reward", False)}}
-        tide = parse_tide_config({} if setting is None else {"ers": {"lend_actor": setting}})
-        return OmegaConf.create(raw), tide
+        tide = dict(tide_raw or {})
+        if setting is not None:
+            tide["ers"] = {**tide.get("ers", {}), "lend_actor": setting}
+        return OmegaConf.create(raw), parse_tide_config(tide)
 
     assert lend_actor(*job()) == (True, "tide.ers.lend_actor = auto")
     assert lend_actor(*job(True)) == (True, "tide.ers.lend_actor = true")
     assert lend_actor(*job(False)) == (False, "tide.ers.lend_actor = false")
     assert lend_actor(*job(False, kl_loss=True))[0] is False
-    for keys, named in (({"kl_loss": True}, "a Ref model"), ({"kl_reward": True}, "a Ref model"),
-                        ({"hybrid": False}, "actor_rollout_ref.hybrid_engine = false")):
+    # a Ref model on the trainer's GPUs only (verl's): auto leaves lending off, true lends beside verl's Ref
+    for keys in ({"kl_loss": True}, {"kl_reward": True}):
         on, why = lend_actor(*job(**keys))
-        assert on is False and why.startswith(f"tide.ers.lend_actor = auto, off: the job has {named}"), why
-        with pytest.raises(TideConfigError, match=f"tide.ers.lend_actor = true with {named}"):
-            lend_actor(*job(True, **keys))
+        assert on is False and why.startswith("tide.ers.lend_actor = auto, off: the job has a Ref model"), why
+        assert lend_actor(*job(True, **keys)) == (
+            True, "tide.ers.lend_actor = true, beside verl's Ref (its combined actor/rollout/ref worker)")
+    # tide's Ref replicas (fixed, elastic, split) or no hybrid engine: off under auto, refused for true
+    replicas = ({"ra2p": {"ref_ranks": 1}}, {"ers": {"min_ref_ranks": 1}}, {"ers": {"max_ref_ranks": 2}},
+                {"ra2p": {"mode": "split", "ref_ranks": 1}})
+    for tide_raw in replicas:
+        on, why = lend_actor(*job(tide_raw=tide_raw, kl_loss=True))
+        assert on is False and "a Ref model on tide's Ref replicas" in why, why
+        with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with a Ref model on tide's Ref"):
+            lend_actor(*job(True, tide_raw=tide_raw, kl_loss=True))
+    on, why = lend_actor(*job(hybrid=False))
+    assert on is False and why.startswith("tide.ers.lend_actor = auto, off: the job has actor_rollout_ref.hybrid_engine")
+    with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with actor_rollout_ref.hybrid_engine = false"):
+        lend_actor(*job(True, hybrid=False))
     # the driver's layout check (the Hydra callback, before Ray starts) refuses it too
-    config, tide = job(True, kl_loss=True)
+    config, tide = job(True, tide_raw={"ra2p": {"ref_ranks": 1}}, kl_loss=True)
     layout = OmegaConf.merge(config, {"data": {"train_batch_size": 4}, "actor_rollout_ref": {
         "actor": {"ppo_mini_batch_size": 2}, "rollout": {"nnodes": 1, "n_gpus_per_node": 1,
                                                          "checkpoint_engine": {"backend": "tide_shm"}}},
         "trainer": {"v1": {"sampler": {}}}})
     check_layout(layout)  # without the tide config: the layout alone is fine
-    with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with a Ref model"):
+    with pytest.raises(TideConfigError, match="tide.ers.lend_actor = true with a Ref model on tide's Ref replicas"):
         check_layout(layout, tide)
     assert lending.lent_turns({"a": 3, "b": 4, "c": 1}, ["a", "c", "z"]) == 4.0
     status = {"turns_served": {"a": 3, "b": 4}, "pool_s": {"a": 2.5, "b": 9.0}}

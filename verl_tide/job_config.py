@@ -45,7 +45,10 @@ def lend_actor(config: DictConfig, tide: TideConfig) -> tuple[bool, str]:
     has_ref = bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)) or bool(
         OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False))
     hybrid = OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True)
-    return resolve_lend_actor(tide.ers.lend_actor, has_ref, True if hybrid is None else bool(hybrid))
+    ers = tide.ers
+    ref_replicas = bool(tide.ra2p.ref_ranks or tide.ra2p.mode == "split" or (
+        ers.enabled and (ers.min_ref_ranks > 0 or (ers.max_ref_ranks or 0) >= 1)))
+    return resolve_lend_actor(ers.lend_actor, has_ref, True if hybrid is None else bool(hybrid), ref_replicas)
 
 
 def check_layout(config: DictConfig, tide: Optional[TideConfig] = None) -> None:

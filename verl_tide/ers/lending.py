@@ -18,9 +18,9 @@ verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replic
   trajectories no faster). Unknown rate, cost or saturation: lend (the first switch measures the cost;
   verl's own switch decides the same way).
 - Whether at all (`tide.ers.lend_actor`, `resolve_lend_actor`): by default (`auto`) whenever the job allows it,
-  as verl's own `separate_async` builds its hybrid replicas by default; not with a Ref model (the replica would
-  share verl's combined actor/rollout/ref worker, beside which RA2P's Ref paths are not built) nor with
-  `actor_rollout_ref.hybrid_engine=false` (the user asked for no replica on the trainer's GPUs).
+  as verl's own `separate_async` builds its hybrid replicas by default; with a Ref model only when asked
+  (`true`, beside verl's Ref in its combined actor/rollout/ref worker; never beside tide's Ref replicas);
+  never with `actor_rollout_ref.hybrid_engine=false` (the user asked for no replica on the trainer's GPUs).
 - Return: once enough is ready that the rest of the step's mini-batches arrive while the ready ones train,
   k of M mini-batches with (M - k) x units x TPRM <= k x train time per mini-batch; one mini-batch when
   either rate is unknown (the trainer streams mini-batches).
@@ -38,14 +38,22 @@ from verl_tide.core.config import TideConfigError
 from verl_tide.ers.policy import Phase
 
 
-def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_engine: bool) -> tuple[bool, str]:
+def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_engine: bool,
+                       ref_replicas: bool = False) -> tuple[bool, str]:
     """`tide.ers.lend_actor` for one job: whether its Actor's GPUs get verl's hybrid replica, and why. An explicit
-    `true` the job cannot honour is an error naming the keys; `auto` says which key kept lending off."""
-    blockers = []
-    if has_ref_model:
-        blockers.append("a Ref model (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward): the "
-                        "replica would share verl's combined actor/rollout/ref worker, beside which RA2P's Ref "
-                        "paths are not built yet")
+    `true` the job cannot honour is an error naming the keys; `auto` says which key kept lending off.
+
+    With a Ref model on the trainer's GPUs only (verl's Ref; `ref_replicas` false), verl puts the Ref in its
+    combined actor/rollout/ref worker beside the replica, as stock `separate_async` does: `true` runs that,
+    `auto` does not yet (not measured enough to be a default). With tide's Ref replicas (`tide.ra2p.ref_ranks`,
+    elastic Ref ranks, split mode) it is not built."""
+    blockers, opt_in = [], []
+    if has_ref_model and ref_replicas:
+        blockers.append("a Ref model on tide's Ref replicas (tide.ra2p.ref_ranks, tide.ers.min_ref_ranks / "
+                        "max_ref_ranks, or tide.ra2p.mode = split): the lent replica beside them is not built yet")
+    elif has_ref_model:
+        opt_in.append("a Ref model (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward): lending "
+                      "beside verl's Ref is opt-in, tide.ers.lend_actor = true")
     if not hybrid_engine:
         blockers.append("actor_rollout_ref.hybrid_engine = false: no rollout replica on the trainer's GPUs")
     if setting is True and blockers:
@@ -53,8 +61,10 @@ def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_en
                                for b in blockers])
     if setting is False:
         return False, "tide.ers.lend_actor = false"
-    if blockers:
-        return False, f"tide.ers.lend_actor = auto, off: the job has {blockers[0]}"
+    if setting == "auto" and (blockers or opt_in):
+        return False, f"tide.ers.lend_actor = auto, off: the job has {(blockers or opt_in)[0]}"
+    if has_ref_model:
+        return True, "tide.ers.lend_actor = true, beside verl's Ref (its combined actor/rollout/ref worker)"
     return True, f"tide.ers.lend_actor = {'auto' if setting == 'auto' else 'true'}"
 
 

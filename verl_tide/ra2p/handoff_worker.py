@@ -1,5 +1,6 @@
 """verl's Ref worker with RA2P's colocated hand-off (`tide.ra2p.zero_copy`): a subclass, installed by trainer
-`tide` in place of separate_async's `DetachActorWorker` for the Ref role (`_init_resource_pool_mgr`).
+`tide` in place of separate_async's `DetachActorWorker` for the Ref role (`_init_resource_pool_mgr`), and for
+verl's combined actor/rollout/ref role when the Actor's GPUs also roll out (lending beside verl's Ref).
 
 verl builds the Actor and Ref roles of a rank into one worker process (`create_colocated_worker_cls`).
 `compute_ref_log_prob_handoff` runs verl's own `compute_ref_log_prob` and leaves each sample's
@@ -31,7 +32,9 @@ SERVICE_KEY = "tide_ref_service"  # the Ref service's Ray name, passed in the ba
 INPUTS_KEY = "tide_handoff_inputs"
 
 
-class TideRefWorker(DetachActorWorker):
+class RefHandoff:
+    """The Ref role's side of the hand-off; mixed into a `DetachActorWorker` subclass."""
+
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
     def compute_ref_log_prob_handoff(self, data: TensorDict) -> TensorDict:
         """verl's Ref pass; the rows stay in this process (and, with several ranks, in shared memory), keyed by
@@ -49,11 +52,6 @@ class TideRefWorker(DetachActorWorker):
 
                 ray.get(ray.get_actor(service_name).put.remote(sample_ids, SharedRows.put(rows)))
         return TensorDict({}, batch_size=[])  # no batch dimension: verl's bridge writes nothing to TransferQueue
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def measure_swap(self) -> float:
-        """One load + offload of the Ref model (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
-        return swap_cycle_seconds(self.ref.engine, train=False)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def discard_ref_handoff(self, sample_ids: list[int]) -> dict[str, Any]:
@@ -84,11 +82,8 @@ def swap_cycle_seconds(engine: Any, train: bool) -> float:
     return time.perf_counter() - start
 
 
-class TideActorWorker(DetachActorWorker):
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def measure_swap(self) -> float:
-        """One load + offload of the Actor's state (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
-        return swap_cycle_seconds(self.actor.engine, train=True)
+class ActorInputs:
+    """The Actor role's side of the hand-off (the inputs go back into its update); mixed in as `RefHandoff`."""
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
@@ -98,6 +93,32 @@ class TideActorWorker(DetachActorWorker):
         if spec is not None and SAMPLE_ID_KEY in data.keys():
             restore_inputs(data, spec)
         return DetachActorWorker.update_actor(self, data)
+
+
+class TideRefWorker(RefHandoff, DetachActorWorker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def measure_swap(self) -> float:
+        """One load + offload of the Ref model (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
+        return swap_cycle_seconds(self.ref.engine, train=False)
+
+
+class TideActorWorker(ActorInputs, DetachActorWorker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def measure_swap(self) -> float:
+        """One load + offload of the Actor's state (RA2P's swap term, half of it): see `swap_cycle_seconds`."""
+        return swap_cycle_seconds(self.actor.engine, train=True)
+
+
+class TideActorRolloutRefWorker(RefHandoff, ActorInputs, DetachActorWorker):
+    """verl's combined actor/rollout/ref worker (the Actor's GPUs also roll out, beside verl's Ref) with both
+    sides of the hand-off: Ref and Actor share the process, so every row stays in it."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def measure_swap(self) -> float:
+        """Half of one Ref and one Actor load + offload: the trainer asks this group for both roles' and averages
+        the two answers, so each answer is the swap itself."""
+        ref = swap_cycle_seconds(self.ref.engine, train=False)
+        return (ref + swap_cycle_seconds(self.actor.engine, train=True)) / 2
 
 
 def restore_inputs(data: TensorDict, spec: dict) -> None:

@@ -25,6 +25,7 @@ from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metri
 
 REWARD = "critic/score/mean"
 NO_LENDING = "tide, tide.ers.lend_actor=false"
+LENDING_BESIDE_REF = "tide, tide.ers.lend_actor=true"
 _STEP = re.compile(r"step:(\d+) - ")
 HIT_RATE_PREFIX = "tide/engine/prefix_hit_rate/"
 
@@ -76,7 +77,7 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
     `tide_rollout_gpus` of them (and, lending by default, the Actor's too; without a Ref model, tide without
-    lending is run beside it). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`)
+    lending is run beside it; with one, tide with lending asked for beside verl's Ref). `attribution`: also tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`)
     and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
     tide's number its faster look at TransferQueue is."""
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
@@ -111,6 +112,8 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
                           (*colocate, *fast_poll_overrides("colocate_async")), job.n_gpus))
     if lends:  # what lending the Actor's GPUs adds: tide without it
         out.append(System(NO_LENDING, (*tide, "tide.ers.lend_actor=false"), tide_rollout_gpus))
+    else:  # a Ref model (verl's, on the trainer's GPUs): lending is opt-in there, beside verl's Ref
+        out.append(System(LENDING_BESIDE_REF, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
 
 

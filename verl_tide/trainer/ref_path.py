@@ -81,9 +81,10 @@ class RefPath:
 
     def choose_worker_roles(self, role_worker_mapping: dict, mapping: dict) -> None:
         """Which Ref verl builds (before it builds any worker group). With tide's Ref replicas, none: verl's Ref
-        would share the trainer's GPUs. With the hand-off, verl's own Ref and Actor roles as tide's worker
-        subclasses (`ra2p/handoff_worker.py`), so rows and inputs stay in the process. With Ref inside the Actor
-        (LoRA), verl's path through TransferQueue."""
+        would share the trainer's GPUs. With the hand-off, verl's own Ref and Actor roles (or its combined
+        actor/rollout/ref role, when the Actor's GPUs also roll out) as tide's worker subclasses
+        (`ra2p/handoff_worker.py`), so rows and inputs stay in the process. With Ref inside the Actor (LoRA),
+        verl's path through TransferQueue."""
         from verl.trainer.ppo.utils import Role as VerlRole
 
         if self.pool_wanted:
@@ -98,6 +99,14 @@ class RefPath:
             if VerlRole.Actor in role_worker_mapping:  # and the inputs: the Actor's update takes them back
                 role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
                 self.inputs_handoff = True
+        elif self.handoff and VerlRole.ActorRolloutRef in role_worker_mapping:
+            # The Actor's GPUs also roll out (lending beside verl's Ref): verl's one actor/rollout/ref worker
+            import ray
+
+            from verl_tide.ra2p.handoff_worker import TideActorRolloutRefWorker
+
+            role_worker_mapping[VerlRole.ActorRolloutRef] = ray.remote(TideActorRolloutRefWorker)
+            self.inputs_handoff = True
         else:
             self.handoff = False
 

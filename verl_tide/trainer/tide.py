@@ -148,6 +148,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         verl_compat.setup_without_colocated_rollout(self)  # actor (and Ref) worker groups, reward loop
         if layout.pool_wanted:
             self.use_reference_policy = True
+        # With lending beside verl's Ref, verl builds one actor/rollout/ref worker: `ref_policy_wg` is the Actor's
+        # group, whose Ref role answers `compute_ref_log_prob` (not Ref-in-Actor, which is LoRA's adapter-off pass).
         self.ref.bind(self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), bool(self.ref_in_actor))
         if layout.pool_wanted or layout.beside_verl_ref:
             self.ref.start_pool()
