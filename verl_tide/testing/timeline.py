@@ -25,7 +25,9 @@ from typing import Optional
 
 # verl 0.9.1's fit loop, in order: inside `timing_s/step`, then evaluation after it.
 STEP_PHASES = ("switch_to_trainer", "switch_wait", "gen", "reward", "old_log_prob", "ref", "values", "adv",
-               "update_critic", "update_actor", "save_checkpoint", "switch_to_rollout", "update_weights")
+               "update_critic", "update_actor", "save_checkpoint",
+               "tide_eval_collect", "tide_boundary",  # trainer tide's step end, before the sync
+               "switch_to_rollout", "update_weights")
 ROLLOUT_WAIT_PHASES = ("switch_wait", "gen")  # the trainer waiting for (or, in sync, running) the rollout
 _SERVERS = re.compile(r"LLMServerManager: (\[[^\]]*\])")
 _VLLM = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
@@ -156,7 +158,8 @@ def engine_load(samples: dict[str, list[tuple[float, dict[str, float]]]], zero: 
 PHASE_COLOURS = {"gen": "tab:red", "switch_wait": "tab:orange", "old_log_prob": "tab:blue", "ref": "tab:olive",
                  "adv": "tab:brown", "update_actor": "tab:purple", "update_weights": "tab:green",
                  "testing": "tab:cyan", "other in step": "lightgrey", "between steps": "whitesmoke",
-                 "switch_to_trainer": "gold", "switch_to_rollout": "khaki", "reward": "yellow"}
+                 "switch_to_trainer": "gold", "switch_to_rollout": "khaki", "reward": "yellow",
+                 "tide_eval_collect": "teal", "tide_boundary": "black"}
 
 
 def plot(results: dict[str, dict], path: str) -> None:

@@ -292,13 +292,17 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def on_step_end(self):
         """The post-update boundary: the step's readiness is final, RA2P and ERS decide, ranks move, then the sync."""
+        from verl.utils.profiler import marked_timer
+
         self.health.check(self.rollout_roles)  # a dead rank must not stall the weight sync
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
-        eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
-        self.report.feed_rollout_clocks(self.readiness)
-        self.readiness.step_finished()
-        step_metrics, plan, signals = self._decide_at_boundary()
-        step_metrics.update(self._apply_plan(plan, signals))
+        with marked_timer("tide_eval_collect", self.timing_raw):
+            eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
+        with marked_timer("tide_boundary", self.timing_raw):  # readiness, RA2P and ERS decide, ranks move
+            self.report.feed_rollout_clocks(self.readiness)
+            self.readiness.step_finished()
+            step_metrics, plan, signals = self._decide_at_boundary()
+            step_metrics.update(self._apply_plan(plan, signals))
         mode = self.ref.step_mode() if self.use_reference_policy else None
         step_metrics["tide/ra2p/next_ref_share"] = share = self.ref.split_share() if mode is RA2PMode.SPLIT else 0.0
         if self.exporter is not None and mode is not None:
