@@ -36,6 +36,55 @@ def lend_run(tiny_model_path, tmp_path_factory):
     return run, parse_step_metrics(run.output), health
 
 
+@pytest.fixture(scope="module")
+def lend_ref_run(tiny_model_path, tmp_path_factory):
+    """Lending beside verl's Ref (asked for: `auto` leaves it off with a Ref model): verl's combined
+    actor/rollout/ref worker on the trainer's GPU, as tide's subclass with RA2P's hand-off."""
+    from dataclasses import replace
+
+    data = tmp_path_factory.mktemp("lend_ref_data")
+    train = write_env_task_parquet(data / "train.parquet", 24, env="tiny_slow")
+    val = write_env_task_parquet(data / "val.parquet", 2, env="tiny_slow", seed=100)
+    job = replace(GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=2,
+                          steps=STEPS, prompt_length=128, response_length=96, ppo_mini_batch_size=2),
+                  use_kl_loss=True)
+    work = tmp_path_factory.mktemp("lend_ref_run")
+    run, health = run_with_env_service(lambda url: with_overrides(grpo_overrides(job), [
+        *tide_overrides(job, lend_actor=True),
+        "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
+        f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8"]),
+        work, latency_scale=1.0, log_path=work / "main_ppo.log")
+    return run, parse_step_metrics(run.output), health, job
+
+
+@pytest.mark.testbed
+def test_lending_beside_verls_ref_keeps_the_hand_off_and_the_kl_term(lend_ref_run):
+    """The replica on the Actor's GPU rolls out through the cold start; the Ref pass runs in the same worker process
+    (tide's subclass of verl's combined role), its rows reach the Actor's deferred-KL loss in process, and the
+    update takes its inputs back from there. KL 0 before the first update, above 0 after it; nothing lost."""
+    run, steps, health, job = lend_ref_run
+    assert run.returncode == 0, run.output[-6000:]
+    assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
+    assert "verl-tide: ERS may lend the Actor's GPUs to rollout (tide.ers.lend_actor = true, beside verl's Ref" \
+        in run.output
+    assert "verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy)" in run.output
+    assert steps[1]["tide/ers/actor_lent_turns"] > 0 and steps[1]["timing_s/switch_to_trainer"] > 0, steps[1]
+    assert steps[1]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6), steps[1]  # Ref = Actor before any update
+    assert any(steps[n]["actor/kl_loss"] > 0 for n in range(2, STEPS + 1)), [steps[n]["actor/kl_loss"] for n in steps]
+    last = steps[STEPS]
+    trained = last["tide/ledger/groups_consumed"] * job.rollout_n
+    assert trained == STEPS * job.train_batch_size * job.rollout_n, last
+    # one trainer rank: every trained sample's ref row and inputs came from the process, none through a service
+    assert last["tide/ra2p/handoff_served_in_process"] == trained and last["tide/ra2p/ref_service_served"] == 0, last
+    assert last["tide/ra2p/handoff_inputs_in_process"] == trained, last
+    assert last["tide/ra2p/handoff_held"] == last["tide/ra2p/handoff_ids_live"], last
+    settled = sum(last[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
+                                                           "dropped_failed"))
+    assert settled + last["tide/ledger/groups_held"] == last["tide/ledger/groups_submitted"], last
+    assert last["tide/ledger/groups_dropped_failed"] == 0, last
+    assert health["started"] == health["ended"] + health["sessions"] and health["close_failed"] == 0, health
+
+
 @pytest.mark.testbed
 def test_the_actors_replica_rolls_out_through_the_cold_start_then_trains(lend_run):
     run, steps, _ = lend_run
