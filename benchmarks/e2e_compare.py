@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
                          "its median-goodput run, with every run's goodput beside it")
     ap.add_argument("--timeline", action="store_true",
                     help="also record where each run's clock went (the trainer's phases, each engine's load polled "
-                         "from its /metrics every 0.5 s): a table, timeline.png in --workdir, and the JSON; the "
+                         "from its /metrics every 1 s, vLLM's stats on for every system): a table, timeline.png in --workdir, and the JSON; the "
                          "poll loads the engines, so do not take headline figures from these runs")
     ap.add_argument("--attribution", action="store_true",
                     help=f"also run '{POLL_AS_VERL}' (tide.sample_poll_s=2: how much of tide's number is its "

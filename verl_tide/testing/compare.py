@@ -161,10 +161,13 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
             poller.watch_line(line)
 
     slug = system.name.replace(" ", "_").replace("/", "-").replace("+", "plus")
+    # The engines' /metrics move only with vLLM's stats on (`+tide=enabled` turns them on for CTB; verl's default
+    # is off): every system gets them for a timeline, or stock engines would read idle.
+    stats = ("actor_rollout_ref.rollout.disable_log_stats=False",) if timeline else ()
     started = time.time()
     try:
         run, health = run_with_env_service(
-            lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra]), work,
+            lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra, *stats]), work,
             latency_scale=latency_scale, timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=on_line)
     finally:
         if poller is not None:
