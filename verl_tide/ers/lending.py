@@ -44,8 +44,9 @@ def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_en
     `true` the job cannot honour is an error naming the keys; `auto` says which key kept lending off.
 
     With a Ref model on the trainer's GPUs only (verl's Ref; `ref_replicas` false), verl puts the Ref in its
-    combined actor/rollout/ref worker beside the replica, as stock `separate_async` does: `true` runs that,
-    `auto` does not yet (not measured enough to be a default). With tide's Ref replicas (`tide.ra2p.ref_ranks`,
+    combined actor/rollout/ref worker beside the replica, as stock `separate_async` does: `true` runs that
+    (with RA2P's hand-off), `auto` does not (on the CPU test bed it cost 9%; on GPUs it is not measured). With
+    tide's Ref replicas (`tide.ra2p.ref_ranks`,
     elastic Ref ranks, split mode) it is not built."""
     blockers, opt_in = [], []
     if has_ref_model and ref_replicas:

@@ -83,7 +83,7 @@ def swap_cycle_seconds(engine: Any, train: bool) -> float:
 
 
 class ActorInputs:
-    """The Actor role's side of the hand-off (the inputs go back into its update); mixed in as `RefHandoff`."""
+    """The Actor role's side of the hand-off (the inputs go back into its update); a mixin like `RefHandoff`."""
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: TensorDict) -> TensorDict:
