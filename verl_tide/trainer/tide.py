@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
+from verl.utils.profiler import marked_timer
 
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.core.ledger import GoodputLedger, Outcome
@@ -292,8 +293,6 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     def on_step_end(self):
         """The post-update boundary: the step's readiness is final, RA2P and ERS decide, ranks move, then the sync."""
-        from verl.utils.profiler import marked_timer
-
         self.health.check(self.rollout_roles)  # a dead rank must not stall the weight sync
         # The previous step's evaluation ran on the weights this sync replaces: it finishes first.
         with marked_timer("tide_eval_collect", self.timing_raw):
