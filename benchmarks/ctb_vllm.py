@@ -144,7 +144,8 @@ def make_balancer(kind: str, servers: dict[str, str], w: Workload, kv_headroom: 
     from verl_tide.ctb.router import CTBLoadBalancer
 
     return CTBLoadBalancer(dict(servers), {"backend": "vllm", "group_size": w.group_size, "idle_finish_s": 900,
-                                           "ctb": {"kv_headroom": kv_headroom}})
+                                           "ctb": {"kv_headroom": kv_headroom,
+                                                   "fill_idle_ranks": kind != "ctb_strict"}})
 
 
 def scrape_all(servers: dict[str, str]) -> dict[str, EngineMetrics]:
@@ -154,7 +155,7 @@ def scrape_all(servers: dict[str, str]) -> dict[str, EngineMetrics]:
 async def run_workload(kind: str, servers: dict[str, str], model: str, tasks: list[TaskPlan], w: Workload,
                        kv_headroom: float) -> dict[str, Any]:
     balancer = make_balancer(kind, servers, w, kv_headroom)
-    ctb = kind == "ctb"
+    ctb = kind.startswith("ctb")
     completed, tokens = 0, 0
 
     async def one(http: aiohttp.ClientSession, t: TaskPlan) -> None:
@@ -257,6 +258,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-turns", type=int, default=Workload.max_turns)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--strict", action="store_true",
+                    help="also CTB with strict budgets (tide.ctb.fill_idle_ranks=false) as a third side")
+    ap.add_argument("--skip-large-kv", action="store_true", help="skip the large-KV limit run")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the model and server logs here")
     args = ap.parse_args(argv)
@@ -287,7 +291,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"makespan {r['makespan_s']:6.1f} s  preemptions {r['preemptions']}", flush=True)
         return r
 
-    results: dict[str, Any] = {"baseline": [], "ctb": [], "order": []}
+    sides = ("baseline", "ctb", "ctb_strict") if args.strict else ("baseline", "ctb")
+    results: dict[str, Any] = {**{side: [] for side in sides}, "order": []}
     print(f"[ctb_vllm] {args.engines} engine(s) x {args.num_blocks} KV blocks; {w.groups} groups x {w.group_size}",
           flush=True)
     with Engines(model, args.engines, args.num_blocks, work, args.dtype, base_port) as servers:
@@ -296,14 +301,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         asyncio.run(run_workload("baseline", servers, str(model), plan_tasks(warm, vocab, salt=0), warm,
                                  args.kv_headroom))  # warm-up: engines and caches past their first requests
         for rep in range(args.repeats):
-            order = ("baseline", "ctb") if rep % 2 == 0 else ("ctb", "baseline")
+            order = sides if rep % 2 == 0 else sides[::-1]
             results["order"].append(list(order))
             for kind in order:
                 results[kind].append(run(kind, servers))
-    with Engines(model, args.engines, args.big_blocks, work, args.dtype, base_port + args.engines) as servers:
-        asyncio.run(run_workload("baseline", servers, str(model), plan_tasks(warm, vocab, salt=0), warm,
-                                 args.kv_headroom))
-        results["large_kv_baseline"] = run("baseline", servers)
+    if not args.skip_large_kv:
+        with Engines(model, args.engines, args.big_blocks, work, args.dtype, base_port + args.engines) as servers:
+            asyncio.run(run_workload("baseline", servers, str(model), plan_tasks(warm, vocab, salt=0), warm,
+                                     args.kv_headroom))
+            results["large_kv_baseline"] = run("baseline", servers)
     results["ideal_hit_rate"] = ideal_hit_rate(plan_tasks(w, vocab, salt=0), w)
     results["config"] = {"engines": args.engines, "kv_blocks_per_engine": args.num_blocks,
                          "kv_capacity_tokens": capacity, "big_blocks": args.big_blocks,
@@ -311,17 +317,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                          **{k: v for k, v in w.__dict__.items()}}
     keys = ["prefix_hit_rate", "throughput_tok_s", "makespan_s", "preemptions"]
     for k in keys:
-        results.setdefault("spread", {})[k] = {kind: spread([r[k] for r in results[kind]]) for kind in ("baseline", "ctb")}
-    b, c = results["spread"], results["large_kv_baseline"]
+        results.setdefault("spread", {})[k] = {kind: spread([r[k] for r in results[kind]]) for kind in sides}
+    b = results["spread"]
     print()
-    print(f"{'':<18}{'baseline mean [min, max]':>30}{'ctb mean [min, max]':>30}{'ctb/base':>10}")
+    print(f"{'':<18}" + "".join(f"{side + ' mean [min, max]':>30}" for side in sides) + f"{'ctb/base':>10}")
     for k in keys:
         x, y = b[k]["baseline"], b[k]["ctb"]
         ratio = y["mean"] / x["mean"] if x["mean"] else float("nan")
-        print(f"{k:<18}{x['mean']:>12.4g} [{x['min']:.4g}, {x['max']:.4g}]".ljust(48)
-              + f"{y['mean']:>12.4g} [{y['min']:.4g}, {y['max']:.4g}]".ljust(30) + f"{ratio:>10.3g}")
-    print(f"limits: ideal hit rate {results['ideal_hit_rate']:.3f}; baseline with KV for everything "
-          f"{c['throughput_tok_s']:.1f} tok/s (hit {c['prefix_hit_rate']:.3f})")
+        print(f"{k:<18}" + "".join(f"{b[k][side]['mean']:>12.4g} [{b[k][side]['min']:.4g}, {b[k][side]['max']:.4g}]"
+                                   .ljust(30) for side in sides) + f"{ratio:>10.3g}")
+    c = results.get("large_kv_baseline")
+    print(f"limits: ideal hit rate {results['ideal_hit_rate']:.3f}" + (
+        f"; baseline with KV for everything {c['throughput_tok_s']:.1f} tok/s (hit {c['prefix_hit_rate']:.3f})"
+        if c else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

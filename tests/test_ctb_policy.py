@@ -87,6 +87,41 @@ def test_resume_falls_back_when_affinity_rank_has_no_headroom():
     assert "affinity rank has no headroom" in out.resumes[0].reason
 
 
+def test_an_idle_rank_takes_one_task_at_a_time_into_kv_its_waiting_residents_lend():
+    s = sched({0: 300}, probe_first_turn=False)
+    assert s.config.fill_idle_ranks  # the default
+    s.add_task("a", group_id="a", prompt_tokens=200)
+    s.tick()
+    s.turn_started("a", 200)
+    s.add_task("b", group_id="b", prompt_tokens=200)
+    assert s.tick().admissions == [] and s.waiting_for_kv  # a's turn is in flight: the engine has work
+    s.turn_finished("a")  # a waits on its environment: the engine idles
+    out = s.tick()
+    assert [(d.task_id, d.rank) for d in out.admissions] == [("b", 0)]
+    assert (s.ranks[0].usage, s.ranks[0].lent, s.ranks[0].active) == (400, 100, 1)
+    s.add_task("c", group_id="c", prompt_tokens=50)
+    assert s.tick().admissions == []  # b's first turn is due: not idle
+    s.turn_started("b", 200)
+    s.turn_finished("b")
+    assert [d.task_id for d in s.tick().admissions] == ["c"]  # idle again: one more
+    assert s.ranks[0].lent == 150
+    # a returns with a longer context: beyond budget + lent, the waiting residents go, lowest priority first
+    s.turn_started("a", 260)
+    out = s.tick()
+    assert [d.task_id for d in out.pauses] == ["c", "b"] and "+ 150 lent" in out.pauses[0].reason
+    assert (s.ranks[0].usage, s.ranks[0].lent) == (260, 0)  # the loan repaid
+    s.turn_finished("a")
+    assert [d.task_id for d in s.tick().resumes] == ["b"]  # idle: the paused work resumes first
+    # strict budgets: the idle engine waits for a
+    strict = sched({0: 300}, probe_first_turn=False, fill_idle_ranks=False)
+    for t in ("a", "b"):
+        strict.add_task(t, group_id=t, prompt_tokens=200)
+    strict.tick()
+    strict.turn_started("a", 200)
+    strict.turn_finished("a")
+    assert strict.tick().admissions == [] and strict.ranks[0].lent == 0
+
+
 def test_paused_tasks_block_new_admissions():
     s = sched({0: 100}, probe_first_turn=False)
     s.add_task("big", group_id="b", prompt_tokens=60)
@@ -206,9 +241,9 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, probe=st.booleans())
-def test_invariants_under_arbitrary_event_sequences(ops, probe):
-    s = sched({0: 600, 1: 400}, probe_first_turn=probe, diversity_penalty=0.05)
+@given(ops=ops, probe=st.booleans(), fill=st.booleans())
+def test_invariants_under_arbitrary_event_sequences(ops, probe, fill):
+    s = sched({0: 600, 1: 400}, probe_first_turn=probe, diversity_penalty=0.05, fill_idle_ranks=fill)
     added = 0
     for op in ops:
         kind = op[0]
@@ -241,7 +276,10 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe):
                 shared = sum(s._group_prompt[g] for g in {t.group_id for t in resident})
                 assert rank.usage == sum(t.charged for t in resident) + shared  # accounting
                 assert set(rank.group_residents) == {t.group_id for t in resident}
-                assert rank.usage <= rank.budget  # no rank over budget after a tick
+                # no rank over budget after a tick, beyond what an idle rank was lent (only when filling them)
+                assert rank.usage <= rank.budget + rank.lent and (fill or rank.lent == 0)
+                assert rank.lent <= max(rank.usage - rank.budget, 0)  # repaid as usage falls
+                assert rank.active == sum(1 for t in resident if t.generating or t.due)
             paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
             queued = [t for t in s.tasks.values() if t.state is TaskState.QUEUED]
             if paused_now:
@@ -249,7 +287,7 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe):
             if not paused_now and not queued:
                 assert not s.waiting_for_kv
             if s.waiting_for_kv and not paused_now:  # a queued task that no rank can hold now
-                free = max(r.budget - r.usage for r in s.ranks.values())
+                free = s._max_free()
                 assert any(s.footprint(t) - s._shared_prompt(t) > free or s._best_rank(t, s.footprint(t)) is None
                            for t in queued)
             if out.admissions:

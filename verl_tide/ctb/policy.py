@@ -10,6 +10,13 @@ contexts. The tasks of one GRPO group share their prompt, and the engine's prefi
 once per rank, so a rank is charged a group's prompt once plus each resident task's own tokens.
 A paused task holds no budget (the engine may evict its KV); it remembers the rank that held it,
 and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
+
+Idle ranks (`fill_idle_ranks`): a strict budget reserves KV for residents that wait on their environments,
+whose cached prefixes the engine keeps only while nothing else needs the blocks. When every resident of a rank
+waits so, the engine idles while work waits for budget. Such a rank takes one task beyond its budget (it must
+fit the whole budget alone): the KV it borrows is lent by the waiting residents, whose prefixes may be evicted
+and re-prefilled when they return. The rank is then allowed `budget + lent` until residents leave (the loan is
+repaid as usage falls); context growth beyond that still pauses the lowest-priority resident.
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ class Task:
     charged: int = 0  # own tokens (beyond the group's shared prompt) charged to `rank` while resident
     generating: bool = False
     generating_counted: int = 0  # its context in `CTBScheduler.generating_tokens` while generating
+    due: bool = False  # placed (admitted or resumed) and its next turn has not started yet
+    active_on: Optional[RankId] = None  # the rank whose `active` count includes it (generating or due there)
     outcome: Optional[Outcome] = None
     reason: str = ""
 
@@ -81,6 +90,8 @@ class _Rank:
     residents: dict[Hashable, "Task"] = field(default_factory=dict)
     group_residents: dict[Hashable, int] = field(default_factory=dict)
     type_counts: dict[str, int] = field(default_factory=dict)
+    active: int = 0  # residents with a turn in flight or due: 0 = the engine has nothing to do
+    lent: int = 0  # tokens over budget lent to an idle rank by its environment-waiting residents
 
 
 class CTBScheduler:
@@ -147,8 +158,11 @@ class CTBScheduler:
             self._group_changed(task.group_id)
         task.context_tokens = context_tokens
         own = max(context_tokens - self._shared_prompt(task), 0)
-        self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
+        rank = self.ranks[task.rank]
+        rank.usage += own - task.charged  # estimate -> real context
         task.charged = own
+        rank.lent = min(rank.lent, max(rank.usage - rank.budget, 0))  # a loan shrinks with usage, never regrows
+        task.due = False
         self._set_generating(task, True)
 
     def turn_finished(self, task_id: TaskId) -> None:
@@ -246,9 +260,10 @@ class CTBScheduler:
 
     def _pause_over_budget(self, out: SchedulerOutput) -> None:
         for rank_id, rank in self.ranks.items():
-            while rank.usage > rank.budget:
+            while rank.usage > rank.budget + rank.lent:
                 victim = min(self._resident_on(rank_id), key=self._order)
-                reason = f"rank over budget ({rank.usage} > {rank.budget}); lowest priority"
+                lent = f" + {rank.lent} lent" if rank.lent else ""
+                reason = f"rank over budget ({rank.usage} > {rank.budget}{lent}); lowest priority"
                 self._release(victim)
                 self._set_generating(victim, False)
                 self._set_state(victim, TaskState.PAUSED)
@@ -286,6 +301,9 @@ class CTBScheduler:
                 rank = self._best_rank(task, need)
                 why = "resume elsewhere: affinity rank has no headroom" if affinity is not None else "resume (no affinity)"
             if rank is None:
+                rank = self._idle_rank(task, need)
+                why = "resume on an idle rank, into KV lent by its waiting residents"
+            if rank is None:
                 return  # strict order: no lower-priority task resumes ahead of this one
             heapq.heappop(self._paused_heap)
             self._place(task, rank)
@@ -296,7 +314,7 @@ class CTBScheduler:
         """Admit queued tasks by priority where they fit. Returns whether a queued task was left waiting for KV
         budget (not for the staleness allowance, the environment limit or its group's probe)."""
         resident = len(self._by_state[TaskState.RESIDENT])
-        max_free = max((r.budget - r.usage for r in self.ranks.values()), default=0)
+        max_free = self._max_free()
         if not self._by_state[TaskState.QUEUED]:
             return False
         if max_free <= 0:
@@ -319,6 +337,8 @@ class CTBScheduler:
                     return False
                 rank = self._best_rank(task, self.footprint(task))
                 if rank is None:
+                    rank = self._idle_rank(task, self.footprint(task))
+                if rank is None:
                     blocked = True
                     break  # the group's queued members all need the same: none fits
                 self._place(task, rank)
@@ -331,7 +351,7 @@ class CTBScheduler:
                     self._group_probing.add(task.group_id)
                     if self.config.probe_first_turn:
                         break  # the probe runs alone until it reports the group's first-turn footprint
-            max_free = max(r.budget - r.usage for r in self.ranks.values())
+            max_free = self._max_free()
             if max_free <= 0:
                 return bool(self._by_state[TaskState.QUEUED])
         return blocked
@@ -375,6 +395,24 @@ class CTBScheduler:
                 best, best_score = rank_id, score
         return best
 
+    def _idle_rank(self, task: Task, need: int) -> Optional[RankId]:
+        """With `fill_idle_ranks`: a rank with nothing in flight or due, that could hold the task alone, for one
+        task beyond its budget (its affinity rank first, then the least filled)."""
+        if not self.config.fill_idle_ranks:
+            return None
+        idle = [r for r, rank in self.ranks.items() if rank.active == 0 and need <= rank.budget]
+        if not idle:
+            return None
+        if task.rank in idle:
+            return task.rank
+        return min(idle, key=lambda r: self.ranks[r].usage / self.ranks[r].budget)
+
+    def _max_free(self) -> int:
+        """The most a queued task may need and still be placed now (an idle rank's whole budget, when filled)."""
+        fill = self.config.fill_idle_ranks
+        return max((r.budget if fill and r.active == 0 else r.budget - r.usage for r in self.ranks.values()),
+                   default=0)
+
     def _place(self, task: Task, rank_id: RankId) -> None:
         rank = self.ranks[rank_id]
         shared = self._shared_prompt(task)
@@ -386,6 +424,9 @@ class CTBScheduler:
         rank.group_residents[task.group_id] = rank.group_residents.get(task.group_id, 0) + 1
         rank.usage += task.charged
         rank.type_counts[task.task_type] = rank.type_counts.get(task.task_type, 0) + 1
+        rank.lent = max(rank.lent, rank.usage - rank.budget)  # > 0 only when an idle rank was filled
+        task.due = True
+        self._count_active(task)
 
     def _release(self, task: Task) -> None:
         rank = self.ranks[task.rank]
@@ -397,6 +438,9 @@ class CTBScheduler:
             rank.usage -= self._shared_prompt(task)
         rank.type_counts[task.task_type] -= 1
         task.charged = 0
+        rank.lent = min(rank.lent, max(rank.usage - rank.budget, 0))  # repaid as residents leave
+        task.due = False
+        self._count_active(task, leaving=True)
 
     def _headroom(self, rank_id: RankId, task: Optional[Task] = None) -> int:
         rank = self.ranks[rank_id]
@@ -442,6 +486,19 @@ class CTBScheduler:
         counted = task.context_tokens if generating else 0
         self.generating_tokens += counted - task.generating_counted
         task.generating, task.generating_counted = generating, counted
+        self._count_active(task)
+
+    def _count_active(self, task: Task, leaving: bool = False) -> None:
+        """Keep each rank's `active` (residents generating or due) in step with the task's flags."""
+        on = task.rank if not leaving and task.state is TaskState.RESIDENT and (task.generating or task.due) \
+            else None
+        if on == task.active_on:
+            return
+        if task.active_on in self.ranks:
+            self.ranks[task.active_on].active -= 1
+        if on is not None:
+            self.ranks[on].active += 1
+        task.active_on = on
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)
