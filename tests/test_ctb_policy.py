@@ -88,8 +88,7 @@ def test_resume_falls_back_when_affinity_rank_has_no_headroom():
 
 
 def test_an_idle_rank_takes_one_task_at_a_time_into_kv_its_waiting_residents_lend():
-    s = sched({0: 300}, probe_first_turn=False)
-    assert s.config.fill_idle_ranks  # the default
+    s = sched({0: 300}, probe_first_turn=False, fill_idle_ranks=True)
     s.add_task("a", group_id="a", prompt_tokens=200)
     s.tick()
     s.turn_started("a", 200)
@@ -113,7 +112,8 @@ def test_an_idle_rank_takes_one_task_at_a_time_into_kv_its_waiting_residents_len
     s.turn_finished("a")
     assert [d.task_id for d in s.tick().resumes] == ["b"]  # idle: the paused work resumes first
     # strict budgets: the idle engine waits for a
-    strict = sched({0: 300}, probe_first_turn=False, fill_idle_ranks=False)
+    strict = sched({0: 300}, probe_first_turn=False)
+    assert not strict.config.fill_idle_ranks  # the default: strict budgets
     for t in ("a", "b"):
         strict.add_task(t, group_id=t, prompt_tokens=200)
     strict.tick()

@@ -48,7 +48,7 @@ async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary()
 
 
 async def test_an_idle_rank_takes_waiting_work_into_kv_lent_by_its_environment_waiting_residents():
-    """`fill_idle_ranks` (the default): a rank whose residents all wait on their environments takes a task that
+    """`fill_idle_ranks` (opt-in): a rank whose residents all wait on their environments takes a task that
     no budget holds, where strict budgets leave the engine idle; a rank with a turn in flight does not."""
     lb = _lb(fill_idle_ranks=True)
     sid_a, _ = await lb.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})

@@ -80,10 +80,11 @@ class CTBConfig:
     env_concurrency: int = field(
         default=0, metadata=_check(lambda x: x >= 0, ">= 0 (0 = unlimited)", "cap on active environment sessions")
     )
-    fill_idle_ranks: bool = field(default=True, metadata=_help(
+    fill_idle_ranks: bool = field(default=False, metadata=_help(
         "a rank with no turn in flight or due takes one more task beyond its token budget, into KV its residents "
         "waiting on their environments hold (their prefixes may be evicted and re-prefilled): an idle engine does "
-        "not wait for them; false: strict budgets (paper Alg. 1)"))
+        "not wait for them. Pays where re-prefill is cheap (short contexts, long environment waits), costs where "
+        "it is dear (docs/ctb.md); false: strict budgets (paper Alg. 1)"))
     diversity_penalty: float = field(
         default=0.1,
         metadata=_check(lambda x: x >= 0, ">= 0", "penalty per task of the same type already on a rank"),
