@@ -229,3 +229,26 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     for _ in range(3):
         last = report.update(light, roles, {}, 3, False)
     assert last["tide/ers/advised_rollout_gpus"] == 4.0
+
+
+@pytest.mark.parametrize("ref,world,multiple", [
+    ({"log_prob_micro_batch_size_per_gpu": 2, "log_prob_use_dynamic_bsz": False}, 2, 4),
+    ({"log_prob_micro_batch_size_per_gpu": 2, "log_prob_use_dynamic_bsz": True}, 2, 2),  # token-packed: ranks only
+    ({"log_prob_micro_batch_size_per_gpu": None, "log_prob_micro_batch_size": 4}, 2, 4),  # verl's deprecated key
+    ({"log_prob_micro_batch_size_per_gpu": None}, 3, 3),
+])
+def test_a_ref_pass_on_verls_workers_comes_in_whole_micro_batches_per_rank(ref, world, multiple):
+    """The CI failure of 2026-12-03: a mini-batch of 4 rows and one GRPO group of 2 scored ahead on 2 Ref ranks
+    with 2-row micro-batches gave each rank 3 rows, and verl's prepare_micro_batches asserted."""
+    from omegaconf import OmegaConf
+
+    from verl_tide.ra2p.aggregation import trim_to_multiple
+    from verl_tide.trainer.ref_path import verl_ref_pass_multiple
+
+    m = verl_ref_pass_multiple(OmegaConf.create(ref), world)
+    assert m == multiple
+    own, ahead = ["o0", "o1", "o2", "o3"], ["a0", "a1"]
+    kept = trim_to_multiple(ahead, m, base=len(own))
+    assert (len(own) + len(kept)) % m == 0
+    if multiple == 4:
+        assert kept == []  # the lone group waits for its own mini-batch's pass

@@ -46,6 +46,20 @@ class ReadyGroups(Protocol):
     def ready_groups(self, global_steps: int, limit: int, exclude: set[str] = ...) -> list[tuple[str, dict]]: ...
 
 
+def verl_ref_pass_multiple(ref_config: Any, world_size: int) -> int:
+    """Rows a Ref pass on verl's worker group must come in multiples of: verl splits the pass evenly over its
+    ranks, and each rank's share must be whole micro-batches (verl 0.9.1 asserts it in
+    `engine/utils.prepare_micro_batches` unless `log_prob_use_dynamic_bsz`). A pass of the mini-batch and one
+    group scored ahead broke this on 2 ranks with 2-row micro-batches (a fresh-clone CI run, 2026-12-03)."""
+    ranks = max(1, int(world_size))
+    if ref_config.get("log_prob_use_dynamic_bsz", False):
+        return ranks
+    per_gpu = ref_config.get("log_prob_micro_batch_size_per_gpu")
+    if per_gpu is None and ref_config.get("log_prob_micro_batch_size") is not None:  # verl's deprecated global key
+        per_gpu = max(1, int(ref_config.get("log_prob_micro_batch_size")) // ranks)
+    return ranks * max(1, int(per_gpu or 1))
+
+
 class RefPath:
     def __init__(self, config: Any, tide_config: TideConfig, stage_timer: StageTimer, planner: BoundaryPlanner,
                  uses_ref: bool):
@@ -74,6 +88,9 @@ class RefPath:
         self.ref_in_actor = False
         self._swap_measured_at: Optional[int] = None
         self._swap_unmeasured_said = False
+
+    def _verl_pass_multiple(self, wg: WorkerGroup) -> int:
+        return verl_ref_pass_multiple(self.config.actor_rollout_ref.get("ref") or {}, wg.world_size)
 
     # ---- construction ------------------------------------------------------------------------
     def bind(self, actor_wg: WorkerGroup, ref_wg: Optional[WorkerGroup], ref_in_actor: bool) -> None:
@@ -264,13 +281,13 @@ class RefPath:
             if split:  # the replicas take a share (the samples scored ahead first), verl's workers the rest
                 own = list(batch.keys)
                 mine, mine_ahead, on_replicas = split_ref_pass(own, ahead, self.split_share(),
-                                                               max(1, self.ref_wg.world_size))
+                                                               self._verl_pass_multiple(self.ref_wg))
                 order = self._pass_order(mine, mine_ahead, on_verls_wg=True)
             else:
                 if not self.replicas_up():  # verl's Ref worker group splits a pass evenly over its ranks
                     own = list(batch.keys)
                     wg = self.actor_wg if self.ref_in_actor else self.ref_wg
-                    ahead = trim_to_multiple(ahead, max(1, wg.world_size), base=len(own))
+                    ahead = trim_to_multiple(ahead, self._verl_pass_multiple(wg), base=len(own))
                 order = self._pass_order(own, ahead)
             self._run_pass(batch, order, [tags[k] for k in order], metrics, verl_ref_pass,
                            on_replicas if split else None)
