@@ -15,11 +15,11 @@ token content (no prefix shared between runs). In the same job, the two limits C
 workload's ideal prefix-cache hit rate (every reusable block-aligned prefix hit, computed from the plan)
 and the baseline's throughput on engines whose KV cache holds everything (`--big-blocks`).
 
-`--fill-idle` adds a third side, `ctb_fill`: CTB with `tide.ctb.fill_idle_ranks=true` (an idle rank takes one
-task beyond its budget, into KV its environment-waiting residents hold).
+`--active-budget` adds a third side, `ctb_active`: CTB with `tide.ctb.budget_scope=active` (budgets bound the
+turns in flight or due; a task waiting on its environment keeps its place, its KV evictable).
 
 Prints a table with each repeat and the spread; `--json PATH` writes every run.
-Usage: python benchmarks/ctb_vllm.py [--json out.json] [--engines 2] [--repeats 3] [--groups 16] [--fill-idle]
+Usage: python benchmarks/ctb_vllm.py [--json out.json] [--engines 2] [--repeats 3] [--groups 16] [--active-budget]
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def make_balancer(kind: str, servers: dict[str, str], w: Workload, kv_headroom: 
 
     return CTBLoadBalancer(dict(servers), {"backend": "vllm", "group_size": w.group_size, "idle_finish_s": 900,
                                            "ctb": {"kv_headroom": kv_headroom,
-                                                   "fill_idle_ranks": kind == "ctb_fill"}})
+                                                   "budget_scope": "active" if kind == "ctb_active" else "resident"}})
 
 
 def scrape_all(servers: dict[str, str]) -> dict[str, EngineMetrics]:
@@ -261,8 +261,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-turns", type=int, default=Workload.max_turns)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fill-idle", action="store_true",
-                    help="also CTB with tide.ctb.fill_idle_ranks=true as a third side ('ctb_fill')")
+    ap.add_argument("--active-budget", action="store_true",
+                    help="also CTB with tide.ctb.budget_scope=active as a third side ('ctb_active')")
     ap.add_argument("--skip-large-kv", action="store_true", help="skip the large-KV limit run")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--workdir", help="keep the model and server logs here")
@@ -294,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"makespan {r['makespan_s']:6.1f} s  preemptions {r['preemptions']}", flush=True)
         return r
 
-    sides = ("baseline", "ctb", "ctb_fill") if args.fill_idle else ("baseline", "ctb")
+    sides = ("baseline", "ctb", "ctb_active") if args.active_budget else ("baseline", "ctb")
     results: dict[str, Any] = {**{side: [] for side in sides}, "order": []}
     print(f"[ctb_vllm] {args.engines} engine(s) x {args.num_blocks} KV blocks; {w.groups} groups x {w.group_size}",
           flush=True)

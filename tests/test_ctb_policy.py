@@ -87,39 +87,36 @@ def test_resume_falls_back_when_affinity_rank_has_no_headroom():
     assert "affinity rank has no headroom" in out.resumes[0].reason
 
 
-def test_an_idle_rank_takes_one_task_at_a_time_into_kv_its_waiting_residents_lend():
-    s = sched({0: 300}, probe_first_turn=False, fill_idle_ranks=True)
-    s.add_task("a", group_id="a", prompt_tokens=200)
+def test_an_active_budget_charges_turns_in_flight_or_due_not_tasks_waiting_on_their_environment():
+    s = sched({0: 300}, probe_first_turn=False, budget_scope="active")
+    s.add_task("a", group_id="a", prompt_tokens=100)
     s.tick()
     s.turn_started("a", 200)
-    s.add_task("b", group_id="b", prompt_tokens=200)
-    assert s.tick().admissions == [] and s.waiting_for_kv  # a's turn is in flight: the engine has work
-    s.turn_finished("a")  # a waits on its environment: the engine idles
+    s.add_task("b", group_id="b", prompt_tokens=150)
+    assert s.tick().admissions == [] and s.waiting_for_kv  # a's turn in flight holds 200 of 300
+    s.turn_finished("a")  # a waits on its environment: its KV is evictable cache, its place on the rank kept
     out = s.tick()
     assert [(d.task_id, d.rank) for d in out.admissions] == [("b", 0)]
-    assert (s.ranks[0].usage, s.ranks[0].lent, s.ranks[0].active) == (400, 100, 1)
-    s.add_task("c", group_id="c", prompt_tokens=50)
-    assert s.tick().admissions == []  # b's first turn is due: not idle
-    s.turn_started("b", 200)
+    r = s.ranks[0]
+    assert (r.usage, r.active_usage) == (350, 150) and s.tasks["a"].state is TaskState.RESIDENT
+    s.turn_started("b", 150)
     s.turn_finished("b")
-    assert [d.task_id for d in s.tick().admissions] == ["c"]  # idle again: one more
-    assert s.ranks[0].lent == 150
-    # a returns with a longer context: beyond budget + lent, the waiting residents go, lowest priority first
-    s.turn_started("a", 260)
+    s.turn_started("a", 260)  # a returns: 260 + b's nothing in flight fits
+    assert s.tick().pauses == [] and s.ranks[0].active_usage == 260
+    s.turn_started("b", 180)  # 260 + 180 > 300: the lower-priority of the two turns waits, never a waiting task
     out = s.tick()
-    assert [d.task_id for d in out.pauses] == ["c", "b"] and "+ 150 lent" in out.pauses[0].reason
-    assert (s.ranks[0].usage, s.ranks[0].lent) == (260, 0)  # the loan repaid
+    assert [d.task_id for d in out.pauses] == ["b"] and "440 > 300" in out.pauses[0].reason
     s.turn_finished("a")
-    assert [d.task_id for d in s.tick().resumes] == ["b"]  # idle: the paused work resumes first
-    # strict budgets: the idle engine waits for a
+    assert [(d.task_id, d.rank) for d in s.tick().resumes] == [("b", 0)]  # affinity: its prefix may be there
+    # the default, resident: a's whole context stays charged while it waits, and b waits for it
     strict = sched({0: 300}, probe_first_turn=False)
-    assert not strict.config.fill_idle_ranks  # the default: strict budgets
-    for t in ("a", "b"):
-        strict.add_task(t, group_id=t, prompt_tokens=200)
+    assert strict.config.budget_scope == "resident"
+    strict.add_task("a", group_id="a", prompt_tokens=100)
     strict.tick()
     strict.turn_started("a", 200)
     strict.turn_finished("a")
-    assert strict.tick().admissions == [] and strict.ranks[0].lent == 0
+    strict.add_task("b", group_id="b", prompt_tokens=150)
+    assert strict.tick().admissions == [] and strict.tasks["b"].state is TaskState.QUEUED
 
 
 def test_paused_tasks_block_new_admissions():
@@ -241,9 +238,9 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, probe=st.booleans(), fill=st.booleans())
-def test_invariants_under_arbitrary_event_sequences(ops, probe, fill):
-    s = sched({0: 600, 1: 400}, probe_first_turn=probe, diversity_penalty=0.05, fill_idle_ranks=fill)
+@given(ops=ops, probe=st.booleans(), scope=st.sampled_from(["resident", "active"]))
+def test_invariants_under_arbitrary_event_sequences(ops, probe, scope):
+    s = sched({0: 600, 1: 400}, probe_first_turn=probe, diversity_penalty=0.05, budget_scope=scope)
     added = 0
     for op in ops:
         kind = op[0]
@@ -276,10 +273,10 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe, fill):
                 shared = sum(s._group_prompt[g] for g in {t.group_id for t in resident})
                 assert rank.usage == sum(t.charged for t in resident) + shared  # accounting
                 assert set(rank.group_residents) == {t.group_id for t in resident}
-                # no rank over budget after a tick, beyond what an idle rank was lent (only when filling them)
-                assert rank.usage <= rank.budget + rank.lent and (fill or rank.lent == 0)
-                assert rank.lent <= max(rank.usage - rank.budget, 0)  # repaid as usage falls
-                assert rank.active == sum(1 for t in resident if t.generating or t.due)
+                active = [t for t in resident if t.generating or t.due]
+                assert rank.active_usage == sum(t.charged for t in active) + sum(
+                    s._group_prompt[g] for g in {t.group_id for t in active})
+                assert s._used(rank) <= rank.budget  # no rank over budget after a tick
             paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
             queued = [t for t in s.tasks.values() if t.state is TaskState.QUEUED]
             if paused_now:

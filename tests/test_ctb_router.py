@@ -11,11 +11,10 @@ from verl_tide.ctb.router import CTBLoadBalancer
 from verl_tide.testing.eventually import eventually
 
 
-def _lb(fill_idle_ranks=False, **cfg):
-    """Strict budgets unless asked: most tests here show work waiting for budget."""
+def _lb(budget_scope="resident", **cfg):
     return CTBLoadBalancer({"s0": "handle0", "s1": "handle1"},
                            {"kv_capacity_tokens": 1000, "idle_finish_s": 0.2,
-                            "ctb": {"kv_headroom": 1.0, "fill_idle_ranks": fill_idle_ranks}, **cfg})
+                            "ctb": {"kv_headroom": 1.0, "budget_scope": budget_scope}, **cfg})
 
 
 def test_protocol_fields_and_status():
@@ -47,34 +46,35 @@ async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary()
     assert lb.get_status()["ctb"]["admissions"] == 3
 
 
-async def test_an_idle_rank_takes_waiting_work_into_kv_lent_by_its_environment_waiting_residents():
-    """`fill_idle_ranks` (opt-in): a rank whose residents all wait on their environments takes a task that
-    no budget holds, where strict budgets leave the engine idle; a rank with a turn in flight does not."""
-    lb = _lb(fill_idle_ranks=True)
+async def test_an_active_budget_lets_waiting_work_in_beside_tasks_that_wait_on_their_environments():
+    """`tide.ctb.budget_scope=active` (opt-in): a task waiting on its environment keeps its place and rank, but
+    its KV is not charged, so a task that no resident budget holds starts at once; turns in flight are."""
+    lb = _lb(budget_scope="active")
     sid_a, _ = await lb.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
     sid_b, _ = await lb.acquire_server("b", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
     lb.release_server(sid_a, request_id="a")  # a waits for its environment; b's turn is still in flight
     sid_c, _ = await asyncio.wait_for(lb.acquire_server("c", prompt_ids=[1] * 600,
                                                         sampling_params={"max_tokens": 100}), 5)
-    assert sid_c == sid_a  # the idle rank, not b's busy one
+    assert sid_c == sid_a  # b's rank has its turn in flight
     ranks = lb.gate.scheduler.ranks
-    assert ranks[sid_a].usage == 1600 and ranks[sid_a].lent == 600
-    # one task at a time: with c's turn in flight, the rank is not idle any more
-    waiting = asyncio.create_task(lb.acquire_server("d", prompt_ids=[1] * 100, sampling_params={"max_tokens": 10}))
+    assert (ranks[sid_a].usage, ranks[sid_a].active_usage) == (1600, 700)
+    lb.release_server(sid_c, request_id="c")  # c waits on its environment too
+    back, _ = await asyncio.wait_for(lb.acquire_server("a", prompt_ids=[1] * 800,
+                                                       sampling_params={"max_tokens": 100}), 5)
+    assert back == sid_a  # a's turn: 900 of 1000 in flight
+    # c comes back while a's turn runs: 900 + 700 > 1000, so c (the lower priority) waits for a's turn to end
+    again = asyncio.create_task(lb.acquire_server("c", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100}))
     await asyncio.sleep(0.02)
-    assert not waiting.done()
-    lb.release_server(sid_c, request_id="c")  # a and c both wait on their environments: idle again
-    sid_d, _ = await asyncio.wait_for(waiting, 5)
-    assert sid_d == sid_a and ranks[sid_a].lent == 710
-    lb.finish("c")
-    assert ranks[sid_a].lent == 10  # repaid as usage falls (a 900 + d 110 = 1010)
+    assert not again.done()
+    lb.release_server(sid_a, request_id="a")
+    assert (await asyncio.wait_for(again, 5))[0] == sid_a  # resumed on the rank that may hold its prefix
     strict = _lb()
     s0, _ = await strict.acquire_server("a", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
     s1, _ = await strict.acquire_server("b", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
     strict.release_server(s0, request_id="a")
     held = asyncio.create_task(strict.acquire_server("c", prompt_ids=[1] * 600, sampling_params={"max_tokens": 100}))
     await asyncio.sleep(0.02)
-    assert not held.done()  # strict: the idle engine waits for a's environment
+    assert not held.done()  # resident (the default): a's context stays charged while it waits
     held.cancel()
 
 
@@ -306,8 +306,7 @@ async def test_a_nearly_finished_large_group_does_not_outrank_evaluation_through
     from verl_tide.core.request_ids import trajectory_request_id
 
     lb = CTBLoadBalancer({"s0": "handle0"}, {"kv_capacity_tokens": 1000, "idle_finish_s": 30,
-                                             "ctb": {"kv_headroom": 1.0, "fill_idle_ranks": False},
-                                             "group_size": 16, "eval_group_size": 2})
+                                             "ctb": {"kv_headroom": 1.0}, "group_size": 16, "eval_group_size": 2})
     for _ in range(11):
         await _run_trajectory(lb, trajectory_request_id("g16"))
     blocker = trajectory_request_id("other")

@@ -80,11 +80,11 @@ class CTBConfig:
     env_concurrency: int = field(
         default=0, metadata=_check(lambda x: x >= 0, ">= 0 (0 = unlimited)", "cap on active environment sessions")
     )
-    fill_idle_ranks: bool = field(default=False, metadata=_help(
-        "a rank with no turn in flight or due takes one more task beyond its token budget, into KV its residents "
-        "waiting on their environments hold (their prefixes may be evicted and re-prefilled): an idle engine does "
-        "not wait for them. Pays where re-prefill is cheap (short contexts, long environment waits), costs where "
-        "it is dear (docs/ctb.md); false: strict budgets (paper Alg. 1)"))
+    budget_scope: Literal["resident", "active"] = field(default="resident", metadata=_help(
+        "what a rank's token budget bounds: resident (paper Alg. 1), every resident task's context, also while it "
+        "waits on its environment (its prefix stays cached); active, only tasks with a turn in flight or due (a "
+        "waiting task's KV is evictable cache: more tasks progress, a returning one may re-prefill). active pays "
+        "where re-prefill is cheap, resident where it is dear (docs/ctb.md)"))
     diversity_penalty: float = field(
         default=0.1,
         metadata=_check(lambda x: x >= 0, ">= 0", "penalty per task of the same type already on a rank"),

@@ -11,12 +11,11 @@ once per rank, so a rank is charged a group's prompt once plus each resident tas
 A paused task holds no budget (the engine may evict its KV); it remembers the rank that held it,
 and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
 
-Idle ranks (`fill_idle_ranks`): a strict budget reserves KV for residents that wait on their environments,
-whose cached prefixes the engine keeps only while nothing else needs the blocks. When every resident of a rank
-waits so, the engine idles while work waits for budget. Such a rank takes one task beyond its budget (it must
-fit the whole budget alone): the KV it borrows is lent by the waiting residents, whose prefixes may be evicted
-and re-prefilled when they return. The rank is then allowed `budget + lent` until residents leave (the loan is
-repaid as usage falls); context growth beyond that still pauses the lowest-priority resident.
+What a budget bounds (`budget_scope`): `resident` (Alg. 1) charges every resident task's context, also while
+the task waits on its environment, so its prefix stays cached. `active` charges only the tasks with a turn in
+flight or due (admitted or resumed, not started yet): a task waiting on its environment keeps its place on the
+rank, but its KV counts as evictable cache, so more tasks progress at once and a returning task may re-prefill.
+Over budget, `active` pauses the lowest-priority task with a turn in flight or due.
 """
 
 from __future__ import annotations
@@ -63,7 +62,8 @@ class Task:
     generating: bool = False
     generating_counted: int = 0  # its context in `CTBScheduler.generating_tokens` while generating
     due: bool = False  # placed (admitted or resumed) and its next turn has not started yet
-    active_on: Optional[RankId] = None  # the rank whose `active` count includes it (generating or due there)
+    active_on: Optional[RankId] = None  # the rank whose `active_usage` counts it (a turn in flight or due there)
+    active_counted: int = 0  # its own tokens in that `active_usage`
     outcome: Optional[Outcome] = None
     reason: str = ""
 
@@ -90,8 +90,9 @@ class _Rank:
     residents: dict[Hashable, "Task"] = field(default_factory=dict)
     group_residents: dict[Hashable, int] = field(default_factory=dict)
     type_counts: dict[str, int] = field(default_factory=dict)
-    active: int = 0  # residents with a turn in flight or due: 0 = the engine has nothing to do
-    lent: int = 0  # tokens over budget lent to an idle rank by its environment-waiting residents
+    # shared prompts of groups with a turn in flight or due here + those tasks' own tokens (`budget_scope=active`)
+    active_usage: int = 0
+    group_active: dict[Hashable, int] = field(default_factory=dict)
 
 
 class CTBScheduler:
@@ -158,10 +159,8 @@ class CTBScheduler:
             self._group_changed(task.group_id)
         task.context_tokens = context_tokens
         own = max(context_tokens - self._shared_prompt(task), 0)
-        rank = self.ranks[task.rank]
-        rank.usage += own - task.charged  # estimate -> real context
+        self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
         task.charged = own
-        rank.lent = min(rank.lent, max(rank.usage - rank.budget, 0))  # a loan shrinks with usage, never regrows
         task.due = False
         self._set_generating(task, True)
 
@@ -260,10 +259,12 @@ class CTBScheduler:
 
     def _pause_over_budget(self, out: SchedulerOutput) -> None:
         for rank_id, rank in self.ranks.items():
-            while rank.usage > rank.budget + rank.lent:
-                victim = min(self._resident_on(rank_id), key=self._order)
-                lent = f" + {rank.lent} lent" if rank.lent else ""
-                reason = f"rank over budget ({rank.usage} > {rank.budget}{lent}); lowest priority"
+            while self._used(rank) > rank.budget:
+                residents = self._resident_on(rank_id)
+                if self.config.budget_scope == "active":  # a waiting task's KV is not charged: pausing it frees none
+                    residents = [t for t in residents if t.generating or t.due] or residents
+                victim = min(residents, key=self._order)
+                reason = f"rank over budget ({self._used(rank)} > {rank.budget}); lowest priority"
                 self._release(victim)
                 self._set_generating(victim, False)
                 self._set_state(victim, TaskState.PAUSED)
@@ -301,9 +302,6 @@ class CTBScheduler:
                 rank = self._best_rank(task, need)
                 why = "resume elsewhere: affinity rank has no headroom" if affinity is not None else "resume (no affinity)"
             if rank is None:
-                rank = self._idle_rank(task, need)
-                why = "resume on an idle rank, into KV lent by its waiting residents"
-            if rank is None:
                 return  # strict order: no lower-priority task resumes ahead of this one
             heapq.heappop(self._paused_heap)
             self._place(task, rank)
@@ -336,8 +334,6 @@ class CTBScheduler:
                 if self.config.env_concurrency and resident >= self.config.env_concurrency:
                     return False
                 rank = self._best_rank(task, self.footprint(task))
-                if rank is None:
-                    rank = self._idle_rank(task, self.footprint(task))
                 if rank is None:
                     blocked = True
                     break  # the group's queued members all need the same: none fits
@@ -385,33 +381,28 @@ class CTBScheduler:
     def _best_rank(self, task: Task, need: int) -> Optional[RankId]:
         best, best_score = None, -math.inf
         for rank_id, rank in self.ranks.items():
-            need_here = need - (self._shared_prompt(task) if rank.group_residents.get(task.group_id) else 0)
-            if rank.budget - rank.usage < need_here:
+            need_here = need - (self._shared_prompt(task) if self._prompt_charged(rank, task) else 0)
+            free = rank.budget - self._used(rank)
+            if free < need_here:
                 continue
-            score = (rank.budget - rank.usage - need_here) / rank.budget
+            score = (free - need_here) / rank.budget
             score -= self.config.diversity_penalty * rank.type_counts.get(task.task_type, 0)
             score += 1.0 if rank.group_residents.get(task.group_id) else 0.0  # its group's prompt is cached there
             if score > best_score:
                 best, best_score = rank_id, score
         return best
 
-    def _idle_rank(self, task: Task, need: int) -> Optional[RankId]:
-        """With `fill_idle_ranks`: a rank with nothing in flight or due, that could hold the task alone, for one
-        task beyond its budget (its affinity rank first, then the least filled)."""
-        if not self.config.fill_idle_ranks:
-            return None
-        idle = [r for r, rank in self.ranks.items() if rank.active == 0 and need <= rank.budget]
-        if not idle:
-            return None
-        if task.rank in idle:
-            return task.rank
-        return min(idle, key=lambda r: self.ranks[r].usage / self.ranks[r].budget)
+    def _used(self, rank: _Rank) -> int:
+        """The tokens its budget bounds: every resident's (`resident`), or those of turns in flight or due."""
+        return rank.active_usage if self.config.budget_scope == "active" else rank.usage
+
+    def _prompt_charged(self, rank: _Rank, task: Task) -> bool:
+        """The rank's budget already counts the task's group prompt (a member resident, or active, here)."""
+        groups = rank.group_active if self.config.budget_scope == "active" else rank.group_residents
+        return bool(groups.get(task.group_id))
 
     def _max_free(self) -> int:
-        """The most a queued task may need and still be placed now (an idle rank's whole budget, when filled)."""
-        fill = self.config.fill_idle_ranks
-        return max((r.budget if fill and r.active == 0 else r.budget - r.usage for r in self.ranks.values()),
-                   default=0)
+        return max((r.budget - self._used(r) for r in self.ranks.values()), default=0)
 
     def _place(self, task: Task, rank_id: RankId) -> None:
         rank = self.ranks[rank_id]
@@ -424,7 +415,6 @@ class CTBScheduler:
         rank.group_residents[task.group_id] = rank.group_residents.get(task.group_id, 0) + 1
         rank.usage += task.charged
         rank.type_counts[task.task_type] = rank.type_counts.get(task.task_type, 0) + 1
-        rank.lent = max(rank.lent, rank.usage - rank.budget)  # > 0 only when an idle rank was filled
         task.due = True
         self._count_active(task)
 
@@ -437,15 +427,13 @@ class CTBScheduler:
             del rank.group_residents[task.group_id]
             rank.usage -= self._shared_prompt(task)
         rank.type_counts[task.task_type] -= 1
-        task.charged = 0
-        rank.lent = min(rank.lent, max(rank.usage - rank.budget, 0))  # repaid as residents leave
-        task.due = False
+        task.charged, task.due = 0, False
         self._count_active(task, leaving=True)
 
     def _headroom(self, rank_id: RankId, task: Optional[Task] = None) -> int:
         rank = self.ranks[rank_id]
-        credit = self._shared_prompt(task) if task is not None and rank.group_residents.get(task.group_id) else 0
-        return rank.budget - rank.usage + credit
+        credit = self._shared_prompt(task) if task is not None and self._prompt_charged(rank, task) else 0
+        return rank.budget - self._used(rank) + credit
 
     def _shared_prompt(self, task: Task) -> int:
         """Tokens of the group's common prompt (as reported by its first task)."""
@@ -489,16 +477,23 @@ class CTBScheduler:
         self._count_active(task)
 
     def _count_active(self, task: Task, leaving: bool = False) -> None:
-        """Keep each rank's `active` (residents generating or due) in step with the task's flags."""
-        on = task.rank if not leaving and task.state is TaskState.RESIDENT and (task.generating or task.due) \
-            else None
-        if on == task.active_on:
-            return
-        if task.active_on in self.ranks:
-            self.ranks[task.active_on].active -= 1
-        if on is not None:
-            self.ranks[on].active += 1
-        task.active_on = on
+        """Keep `active_usage` in step with the task: counted while it is resident with a turn in flight or due
+        (its group's shared prompt once per rank), recounted when its charge changes."""
+        if task.active_on is not None and task.active_on in self.ranks:
+            rank = self.ranks[task.active_on]
+            rank.active_usage -= task.active_counted
+            rank.group_active[task.group_id] -= 1
+            if not rank.group_active[task.group_id]:
+                del rank.group_active[task.group_id]
+                rank.active_usage -= self._shared_prompt(task)
+        task.active_on, task.active_counted = None, 0
+        if not leaving and task.state is TaskState.RESIDENT and (task.generating or task.due):
+            rank = self.ranks[task.rank]
+            if not rank.group_active.get(task.group_id):
+                rank.active_usage += self._shared_prompt(task)
+            rank.group_active[task.group_id] = rank.group_active.get(task.group_id, 0) + 1
+            rank.active_usage += task.charged
+            task.active_on, task.active_counted = task.rank, task.charged
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)
