@@ -52,7 +52,7 @@ class TurnGate:
 
     def after_turn(self, task_id: Hashable) -> None:
         self.scheduler.turn_finished(task_id)
-        self._tick()  # its rank may now be idle: work waiting for budget can fill it (`fill_idle_ranks`)
+        self._tick()  # with `budget_scope=active` the turn's KV is free now: waiting work may start
 
     def finish(self, task_id: Hashable, outcome: Outcome = Outcome.CONSUMED, reason: str = "") -> None:
         if self.scheduler.tasks[task_id].state is not TaskState.DONE:
