@@ -52,7 +52,8 @@ class TurnGate:
 
     def after_turn(self, task_id: Hashable) -> None:
         self.scheduler.turn_finished(task_id)
-        self._tick()  # with `budget_scope=active` the turn's KV is free now: waiting work may start
+        if self.scheduler.config.budget_scope == "active":  # the turn's KV is free now: waiting work may start
+            self._tick()  # (a resident budget frees nothing when a turn ends: no tick on every turn)
 
     def finish(self, task_id: Hashable, outcome: Outcome = Outcome.CONSUMED, reason: str = "") -> None:
         if self.scheduler.tasks[task_id].state is not TaskState.DONE:
