@@ -34,7 +34,7 @@ async def _task(gate, tid, group, turns, rng, log, prompt=100, step=60):
         rank = await gate.before_turn(tid, context)
         log.append(("turn", tid, rank))
         for r in gate.scheduler.ranks.values():
-            assert gate.scheduler._used(r) <= r.budget  # every resident's context, or the turns in flight or due
+            assert gate.scheduler.budgets.used(r) <= r.budget  # every resident's context, or the turns in flight or due
         await asyncio.sleep(rng.uniform(0, 0.002))  # generating
         gate.after_turn(tid)
         await asyncio.sleep(rng.uniform(0, 0.004))  # environment

@@ -276,7 +276,7 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe, scope):
                 active = [t for t in resident if t.generating or t.due]
                 assert rank.active_usage == sum(t.charged for t in active) + sum(
                     s._group_prompt[g] for g in {t.group_id for t in active})
-                assert s._used(rank) <= rank.budget  # no rank over budget after a tick
+                assert s.budgets.used(rank) <= rank.budget  # no rank over budget after a tick
             paused_now = [t for t in s.tasks.values() if t.state is TaskState.PAUSED]
             queued = [t for t in s.tasks.values() if t.state is TaskState.QUEUED]
             if paused_now:
@@ -284,8 +284,8 @@ def test_invariants_under_arbitrary_event_sequences(ops, probe, scope):
             if not paused_now and not queued:
                 assert not s.waiting_for_kv
             if s.waiting_for_kv and not paused_now:  # a queued task that no rank can hold now
-                free = s._max_free()
-                assert any(s.footprint(t) - s._shared_prompt(t) > free or s._best_rank(t, s.footprint(t)) is None
+                free = s.budgets.max_free()
+                assert any(s.footprint(t) - s._shared_prompt(t) > free or s.budgets.best_rank(t, s.footprint(t)) is None
                            for t in queued)
             if out.admissions:
                 assert not paused_now  # paused tasks resume before new admissions

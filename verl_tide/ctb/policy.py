@@ -5,11 +5,9 @@ tasks arrive, a turn starts with its real context length, a turn generates, a ta
 calls `tick()`, which returns the pauses, resumes and admissions to carry out at the next turn
 boundaries. Verbs and states follow vLLM's scheduler: a few calls, an explicit state per task.
 
-Budgets: each rank may hold `floor(kv_capacity_tokens * kv_headroom)` tokens of resident tasks'
-contexts. The tasks of one GRPO group share their prompt, and the engine's prefix cache holds it
-once per rank, so a rank is charged a group's prompt once plus each resident task's own tokens.
-A paused task holds no budget (the engine may evict its KV); it remembers the rank that held it,
-and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
+Budgets (`budgets.py`): each rank may hold `floor(kv_capacity_tokens * kv_headroom)` tokens, a GRPO group's
+shared prompt charged once per rank. A paused task holds no budget (the engine may evict its KV); it remembers
+the rank that held it, and resumes there when that rank has headroom (worker affinity), elsewhere otherwise.
 
 What a budget bounds (`budget_scope`): `resident` (Alg. 1) charges every resident task's context, also while
 the task waits on its environment, so its prefix stays cached. `active` charges only the tasks with a turn in
@@ -21,85 +19,20 @@ Over budget, `active` pauses the lowest-priority task with a turn in flight or d
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Optional
 
 from verl_tide.core.config import CTBConfig
+from verl_tide.ctb.budgets import RankBudget, RankBudgets
+from verl_tide.ctb.tasks import Decision, Outcome, RankId, SchedulerOutput, Task, TaskId, TaskState
 
-TaskId = Hashable
-RankId = Hashable
-
-
-class TaskState(str, Enum):
-    QUEUED = "queued"  # known, never admitted
-    RESIDENT = "resident"  # admitted to a rank; its context is charged to that rank's budget
-    PAUSED = "paused"  # taken off its rank at a turn boundary; holds no budget
-    DONE = "done"  # finished (consumed, dropped stale or dropped failed)
-
-
-class Outcome(str, Enum):
-    CONSUMED = "consumed"
-    DROPPED_STALE = "dropped_stale"
-    DROPPED_FAILED = "dropped_failed"
-
-
-@dataclass
-class Task:
-    task_id: TaskId
-    group_id: Hashable
-    group_size: int
-    task_type: str
-    is_eval: bool
-    prompt_tokens: int
-    state: TaskState = TaskState.QUEUED
-    rank: Optional[RankId] = None  # resident rank, or the rank whose cache held it (affinity) when paused
-    seq: int = 0  # arrival order: the deterministic tie-break
-    context_tokens: int = 0  # last reported real context length; 0 before the first turn
-    charged: int = 0  # own tokens (beyond the group's shared prompt) charged to `rank` while resident
-    generating: bool = False
-    generating_counted: int = 0  # its context in `CTBScheduler.generating_tokens` while generating
-    due: bool = False  # placed (admitted or resumed) and its next turn has not started yet
-    active_on: Optional[RankId] = None  # the rank whose `active_usage` counts it (a turn in flight or due there)
-    active_counted: int = 0  # its own tokens in that `active_usage`
-    outcome: Optional[Outcome] = None
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Decision:
-    task_id: TaskId
-    rank: RankId
-    reason: str
-
-
-@dataclass
-class SchedulerOutput:
-    pauses: list[Decision] = field(default_factory=list)
-    resumes: list[Decision] = field(default_factory=list)
-    admissions: list[Decision] = field(default_factory=list)
-    failed: list[Decision] = field(default_factory=list)  # tasks no rank can ever hold
-
-
-@dataclass
-class _Rank:
-    budget: int
-    usage: int = 0  # shared prompts of the groups resident here + every resident task's own tokens
-    residents: dict[Hashable, "Task"] = field(default_factory=dict)
-    group_residents: dict[Hashable, int] = field(default_factory=dict)
-    type_counts: dict[str, int] = field(default_factory=dict)
-    # shared prompts of groups with a turn in flight or due here + those tasks' own tokens (`budget_scope=active`)
-    active_usage: int = 0
-    group_active: dict[Hashable, int] = field(default_factory=dict)
-
+__all__ = ["CTBScheduler", "Decision", "Outcome", "RankId", "SchedulerOutput", "Task", "TaskId", "TaskState"]
 
 class CTBScheduler:
     def __init__(self, config: CTBConfig, rank_kv_capacity: dict[RankId, int]):
         self.config = config
         self.tasks: dict[TaskId, Task] = {}
-        self.ranks: dict[RankId, _Rank] = {}
+        self.budgets = RankBudgets(config, self._shared_prompt)
         self._group_done: dict[Hashable, int] = {}
         self._group_probe: dict[Hashable, int] = {}  # first-turn footprint per GRPO group
         self._group_probing: set[Hashable] = set()
@@ -158,9 +91,7 @@ class CTBScheduler:
             self._group_probing.discard(task.group_id)
             self._group_changed(task.group_id)
         task.context_tokens = context_tokens
-        own = max(context_tokens - self._shared_prompt(task), 0)
-        self.ranks[task.rank].usage += own - task.charged  # estimate -> real context
-        task.charged = own
+        self.budgets.recharge(task, context_tokens)  # estimate -> real context
         task.due = False
         self._set_generating(task, True)
 
@@ -211,12 +142,13 @@ class CTBScheduler:
         for g, v in state.get("group_prompt", {}).items():
             self._group_prompt.setdefault(g, int(v))
 
+    @property
+    def ranks(self) -> dict[RankId, RankBudget]:
+        """Each rank's budget and what is charged to it (`budgets.py`)."""
+        return self.budgets.ranks
+
     def add_rank(self, rank: RankId, kv_capacity_tokens: int) -> None:
-        if rank in self.ranks:
-            raise ValueError(f"rank {rank!r} is already known")
-        if kv_capacity_tokens <= 0:
-            raise ValueError(f"rank {rank!r}: kv_capacity_tokens = {kv_capacity_tokens}, must be > 0")
-        self.ranks[rank] = _Rank(budget=math.floor(kv_capacity_tokens * self.config.kv_headroom))
+        self.budgets.add(rank, kv_capacity_tokens)
 
     def remove_rank(self, rank: RankId) -> list[TaskId]:
         """Close a rank (ERS): its resident tasks become paused without affinity (their KV is gone)."""
@@ -259,12 +191,12 @@ class CTBScheduler:
 
     def _pause_over_budget(self, out: SchedulerOutput) -> None:
         for rank_id, rank in self.ranks.items():
-            while self._used(rank) > rank.budget:
+            while self.budgets.used(rank) > rank.budget:
                 residents = self._resident_on(rank_id)
                 if self.config.budget_scope == "active":  # a waiting task's KV is not charged: pausing it frees none
                     residents = [t for t in residents if t.generating or t.due] or residents
                 victim = min(residents, key=self._order)
-                reason = f"rank over budget ({self._used(rank)} > {rank.budget}); lowest priority"
+                reason = f"rank over budget ({self.budgets.used(rank)} > {rank.budget}); lowest priority"
                 self._release(victim)
                 self._set_generating(victim, False)
                 self._set_state(victim, TaskState.PAUSED)
@@ -296,10 +228,10 @@ class CTBScheduler:
                 continue
             need = self.footprint(task)
             affinity = task.rank if task.rank in self.ranks else None
-            if affinity is not None and self._headroom(affinity, task) >= need:
+            if affinity is not None and self.budgets.headroom(affinity, task) >= need:
                 rank, why = affinity, "resume on the rank holding its prefix"
             else:
-                rank = self._best_rank(task, need)
+                rank = self.budgets.best_rank(task, need)
                 why = "resume elsewhere: affinity rank has no headroom" if affinity is not None else "resume (no affinity)"
             if rank is None:
                 return  # strict order: no lower-priority task resumes ahead of this one
@@ -312,7 +244,7 @@ class CTBScheduler:
         """Admit queued tasks by priority where they fit. Returns whether a queued task was left waiting for KV
         budget (not for the staleness allowance, the environment limit or its group's probe)."""
         resident = len(self._by_state[TaskState.RESIDENT])
-        max_free = self._max_free()
+        max_free = self.budgets.max_free()
         if not self._by_state[TaskState.QUEUED]:
             return False
         if max_free <= 0:
@@ -333,7 +265,7 @@ class CTBScheduler:
                     return False
                 if self.config.env_concurrency and resident >= self.config.env_concurrency:
                     return False
-                rank = self._best_rank(task, self.footprint(task))
+                rank = self.budgets.best_rank(task, self.footprint(task))
                 if rank is None:
                     blocked = True
                     break  # the group's queued members all need the same: none fits
@@ -347,7 +279,7 @@ class CTBScheduler:
                     self._group_probing.add(task.group_id)
                     if self.config.probe_first_turn:
                         break  # the probe runs alone until it reports the group's first-turn footprint
-            max_free = self._max_free()
+            max_free = self.budgets.max_free()
             if max_free <= 0:
                 return bool(self._by_state[TaskState.QUEUED])
         return blocked
@@ -374,66 +306,16 @@ class CTBScheduler:
             self._push_paused(paused)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _place(self, task: Task, rank_id: RankId) -> None:
+        self._set_state(task, TaskState.RESIDENT)
+        self.budgets.place(task, rank_id, self.footprint(task))
+
+    def _release(self, task: Task) -> None:
+        self.budgets.release(task)
+
     def _order(self, task: Task) -> tuple:
         """Ascending = less important: priority, then later arrival."""
         return (self.priority(task), -task.seq)
-
-    def _best_rank(self, task: Task, need: int) -> Optional[RankId]:
-        best, best_score = None, -math.inf
-        for rank_id, rank in self.ranks.items():
-            need_here = need - (self._shared_prompt(task) if self._prompt_charged(rank, task) else 0)
-            free = rank.budget - self._used(rank)
-            if free < need_here:
-                continue
-            score = (free - need_here) / rank.budget
-            score -= self.config.diversity_penalty * rank.type_counts.get(task.task_type, 0)
-            score += 1.0 if rank.group_residents.get(task.group_id) else 0.0  # its group's prompt is cached there
-            if score > best_score:
-                best, best_score = rank_id, score
-        return best
-
-    def _used(self, rank: _Rank) -> int:
-        """The tokens its budget bounds: every resident's (`resident`), or those of turns in flight or due."""
-        return rank.active_usage if self.config.budget_scope == "active" else rank.usage
-
-    def _prompt_charged(self, rank: _Rank, task: Task) -> bool:
-        """The rank's budget already counts the task's group prompt (a member resident, or active, here)."""
-        groups = rank.group_active if self.config.budget_scope == "active" else rank.group_residents
-        return bool(groups.get(task.group_id))
-
-    def _max_free(self) -> int:
-        return max((r.budget - self._used(r) for r in self.ranks.values()), default=0)
-
-    def _place(self, task: Task, rank_id: RankId) -> None:
-        rank = self.ranks[rank_id]
-        shared = self._shared_prompt(task)
-        self._set_state(task, TaskState.RESIDENT)
-        task.rank, task.charged = rank_id, max(self.footprint(task) - shared, 0)
-        rank.residents[task.task_id] = task
-        if not rank.group_residents.get(task.group_id):
-            rank.usage += shared  # the group's prompt is cached once per rank
-        rank.group_residents[task.group_id] = rank.group_residents.get(task.group_id, 0) + 1
-        rank.usage += task.charged
-        rank.type_counts[task.task_type] = rank.type_counts.get(task.task_type, 0) + 1
-        task.due = True
-        self._count_active(task)
-
-    def _release(self, task: Task) -> None:
-        rank = self.ranks[task.rank]
-        rank.residents.pop(task.task_id, None)
-        rank.usage -= task.charged
-        rank.group_residents[task.group_id] -= 1
-        if not rank.group_residents[task.group_id]:
-            del rank.group_residents[task.group_id]
-            rank.usage -= self._shared_prompt(task)
-        rank.type_counts[task.task_type] -= 1
-        task.charged, task.due = 0, False
-        self._count_active(task, leaving=True)
-
-    def _headroom(self, rank_id: RankId, task: Optional[Task] = None) -> int:
-        rank = self.ranks[rank_id]
-        credit = self._shared_prompt(task) if task is not None and self._prompt_charged(rank, task) else 0
-        return rank.budget - self._used(rank) + credit
 
     def _shared_prompt(self, task: Task) -> int:
         """Tokens of the group's common prompt (as reported by its first task)."""
@@ -474,26 +356,7 @@ class CTBScheduler:
         counted = task.context_tokens if generating else 0
         self.generating_tokens += counted - task.generating_counted
         task.generating, task.generating_counted = generating, counted
-        self._count_active(task)
-
-    def _count_active(self, task: Task, leaving: bool = False) -> None:
-        """Keep `active_usage` in step with the task: counted while it is resident with a turn in flight or due
-        (its group's shared prompt once per rank), recounted when its charge changes."""
-        if task.active_on is not None and task.active_on in self.ranks:
-            rank = self.ranks[task.active_on]
-            rank.active_usage -= task.active_counted
-            rank.group_active[task.group_id] -= 1
-            if not rank.group_active[task.group_id]:
-                del rank.group_active[task.group_id]
-                rank.active_usage -= self._shared_prompt(task)
-        task.active_on, task.active_counted = None, 0
-        if not leaving and task.state is TaskState.RESIDENT and (task.generating or task.due):
-            rank = self.ranks[task.rank]
-            if not rank.group_active.get(task.group_id):
-                rank.active_usage += self._shared_prompt(task)
-            rank.group_active[task.group_id] = rank.group_active.get(task.group_id, 0) + 1
-            rank.active_usage += task.charged
-            task.active_on, task.active_counted = task.rank, task.charged
+        self.budgets.count_active(task)
 
     def _live(self, task_id: TaskId) -> Task:
         task = self.tasks.get(task_id)
