@@ -22,7 +22,8 @@ def test_protocol_fields_and_status():
     assert lb.require_acquire_fields() == ["prompt_ids", "sampling_params"]
     assert lb.require_release_fields() == ["request_id"]
     assert lb.get_all_servers() == ["s0", "s1"] and lb.get_total_inflight() == 0
-    assert lb.get_status()["ctb"]["ranks"]["s0"] == {"usage": 0, "budget": 1000}
+    assert lb.get_status()["ctb"]["ranks"]["s0"] == {"usage": 0, "budget": 1000, "base": 1000}
+    assert lb.get_status()["ctb"]["budget_factor"] == 1.0
 
 
 async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary():
@@ -44,6 +45,22 @@ async def test_sticky_turns_and_a_paused_trajectory_waits_at_its_turn_boundary()
     sid_c, _ = await asyncio.wait_for(waiting, 5)
     assert sid_c == sid_b
     assert lb.get_status()["ctb"]["admissions"] == 3
+
+
+async def test_the_planners_budget_factor_lets_a_waiting_trajectory_in_at_once():
+    """Trainer `tide` sets the step-boundary planner's factor on the router (`set_budget_factor`): a trajectory that
+    waited for budget starts without waiting for another to end."""
+    lb = _lb()
+    for rid in ("a", "b"):
+        sid, _ = await lb.acquire_server(rid, prompt_ids=[1] * 800, sampling_params={"max_tokens": 100})
+        lb.release_server(sid, request_id=rid)
+    waiting = asyncio.create_task(lb.acquire_server("c", prompt_ids=[1] * 800, sampling_params={"max_tokens": 100}))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # 900 + 900 of 2 x 1000
+    lb.set_budget_factor(2.0)
+    await asyncio.wait_for(waiting, 5)
+    status = lb.get_status()["ctb"]
+    assert status["budget_factor"] == 2.0 and {r["budget"] for r in status["ranks"].values()} == {2000}
 
 
 async def test_an_active_budget_lets_waiting_work_in_beside_tasks_that_wait_on_their_environments():

@@ -15,7 +15,7 @@ from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.workload import load_workload
-from verl_tide.trainer.boundary import boundary_inputs
+from verl_tide.trainer.boundary import boundary_inputs, budget_inputs
 
 TIDE = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval_blocks_trainer=False, elastic=True)
 
@@ -32,7 +32,7 @@ def recorded():
 def _as_trainer_builds_it(sim: Simulation) -> BoundaryPlanner:
     """TideTrainer.__init__'s construction, for a job with the simulated system's settings."""
     tide = parse_tide_config({"ra2p": {"max_aggregate": TIDE.max_aggregate}})
-    return BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=sim.B)
+    return BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=sim.B, ctb=tide.ctb)
 
 
 def test_the_trace_exercises_every_decision(recorded):
@@ -58,8 +58,30 @@ def test_the_trainers_adapter_builds_the_inputs_the_simulator_decided_on(recorde
         roles = rec.roles
         ref_ranks = sum(r is Role.REF for r in roles.values())
         built = boundary_inputs(rec.inputs.step, rec.inputs.ready_times, 1, rec.inputs.step_tokens, timer,
-                                sim.actor_ranks, 0, roles, ref_ranks, ref_beside_actor=True, uses_ref=True)
+                                sim.actor_ranks, 0, roles, ref_ranks, ref_beside_actor=True, uses_ref=True,
+                                ctb=_budget_as_the_trainer_reads_it(rec.inputs.ctb))
         assert built == rec.inputs
+
+
+def _budget_as_the_trainer_reads_it(ctb):
+    """CTB's router status as trainer `tide` logs it (one rank), and the engines' hit rate, through its adapter."""
+    return budget_inputs({"tide/ctb/ranks": 1.0, "tide/ctb/tokens_base": ctb.rank_budget,
+                          "tide/ctb/budget_factor": ctb.factor}, {} if ctb.hit_rate is None else {"0": ctb.hit_rate})
+
+
+def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_trainers_inputs():
+    """OSWorld on 8 GPUs: the rollout waits for CTB's budget in the first step with the engines' KV mostly unused
+    by turns in flight, so the planner doubles the budgets (ctb/window.py); the trainer's planner, from inputs
+    its adapter builds, decides the same at every boundary."""
+    sim = Simulation(dataclasses.replace(load_workload("osworld"), steps=12), 8, TIDE)
+    sim.planner.trace = []
+    sim.run()
+    factors = [rec.decision["budget"][0] for rec in sim.planner.trace]
+    assert factors[0] == 2.0 and sim.budget_factors == factors
+    assert sim.ctb.budgets.factor == factors[-1]
+    for rec in sim.planner.trace:
+        assert _budget_as_the_trainer_reads_it(rec.inputs.ctb) == rec.inputs.ctb
+    assert replay(_as_trainer_builds_it(sim), sim.planner.trace) == [rec.decision for rec in sim.planner.trace]
 
 
 def test_the_trace_replays_to_the_same_decisions_through_the_trainers_planner(recorded):

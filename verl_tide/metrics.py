@@ -66,7 +66,7 @@ class TideMetrics:
         for state, n in task_counts.items():
             self.tasks.labels(state=state).set(n)
         for key, value in counters.items():  # counters only grow: export the increments
-            if not isinstance(value, (int, float)) or key == "eval_tasks":  # a count of tasks, not an outcome
+            if not isinstance(value, (int, float)) or key in ("eval_tasks", "budget_factor"):  # not outcomes
                 continue
             delta = value - self._seen.get(key, 0)
             if delta > 0:

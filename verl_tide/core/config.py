@@ -89,6 +89,10 @@ class CTBConfig:
         default=0.1,
         metadata=_check(lambda x: x >= 0, ">= 0", "penalty per task of the same type already on a rank"),
     )
+    max_budget_factor: float = field(default=8.0, metadata=_check(lambda x: x >= 1, ">= 1 (1 = Alg. 1's fixed budget)", (
+        "how far the step-boundary planner may scale every rank's token budget past KV capacity x kv_headroom: "
+        "doubled while work waits for budget, halved (and capped there) when the engines' prefix-cache hit rate "
+        "falls 0.1 below the fixed budget's (ctb/window.py; trainer tide only)")))
     priority: PriorityWeights = field(default_factory=PriorityWeights)
 
 

@@ -1,6 +1,6 @@
 """The step-boundary decision, in one place: RA2P's mode (and split share) for the next step, the decoupled
-break-even RAS, the Ref-rank outlook ERS weighs, ERS's scaling plan, and whether the Actor's GPUs roll out
-until the next step (`ers/lending.py`).
+break-even RAS, the Ref-rank outlook ERS weighs, ERS's scaling plan, whether the Actor's GPUs roll out
+until the next step (`ers/lending.py`), and how far CTB's token budgets reach past KV capacity (`ctb/window.py`).
 
 Why one module: trainer `tide` and the simulator decide at the same moment (after the Actor's update,
 before the weight sync) from the same inputs: the last step's ready times, the per-token stage rates the
@@ -22,8 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
-from verl_tide.core.config import ERSConfig, RA2PConfig
+from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
+from verl_tide.ctb.window import BudgetDecision, BudgetInputs, BudgetWindow
 from verl_tide.ers import lending
 from verl_tide.ers.lending import LendDecision, LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
@@ -72,6 +73,7 @@ class BoundaryInputs:
     ref_beside_actor: bool = False  # Ref also runs on the Actor's ranks beside the replicas: split is possible
     uses_ref: bool = True  # the job has a Ref model at all
     lending: Optional[LendingInputs] = None  # the Actor's GPUs may roll out (tide.ers.lend_actor); None: they may not
+    ctb: Optional[BudgetInputs] = None  # CTB's budgets as they ran (None: CTB off, or not read)
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,7 @@ class BoundaryDecision:
     signals: Optional[ReadinessSignals]
     plan: Optional[ScalingPlan]
     lend: Optional[LendDecision] = None  # whether the Actor's GPUs roll out after this boundary, and until when
+    budget: Optional[BudgetDecision] = None  # CTB's budget factor for the next step
 
     def summary(self) -> dict:
         """What a replay compares: every decision and its reason."""
@@ -93,7 +96,8 @@ class BoundaryDecision:
                 "plan": None if p is None else (tuple((m.rank, m.src.value, m.dst.value) for m in p.moves),
                                                 p.batch_size, p.reason),
                 "lend": None if self.lend is None else (self.lend.lend, self.lend.return_at_units,
-                                                        self.lend.reason)}
+                                                        self.lend.reason),
+                "budget": None if self.budget is None else (self.budget.factor, self.budget.reason)}
 
 
 @dataclass
@@ -105,12 +109,15 @@ class BoundaryPlanner:
     ers: Optional[ERSPolicy]  # None: no elastic ranks (RA2P decides alone)
     mode: Optional[RA2PMode] = None  # the last choice (`tide.ra2p.mode=auto`)
     share: Optional[float] = None  # split mode: the replicas' share of a Ref pass
+    window: Optional[BudgetWindow] = None  # CTB's budget factor (None: CTB off; budgets stay at Alg. 1's)
     trace: Optional[list] = field(default=None, repr=False)  # set to a list to record (inputs, decision) pairs
 
     @classmethod
-    def build(cls, ra2p: RA2PConfig, ers: ERSConfig, ideal_batch: int, elastic: bool = True) -> BoundaryPlanner:
+    def build(cls, ra2p: RA2PConfig, ers: ERSConfig, ideal_batch: int, elastic: bool = True,
+              ctb: Optional[CTBConfig] = None) -> BoundaryPlanner:
         """The one construction trainer `tide` and the simulator use."""
-        return cls(ra2p, ERSPolicy(ers, ideal_batch=ideal_batch) if elastic else None)
+        window = BudgetWindow(ctb.max_budget_factor) if ctb is not None and ctb.enabled else None
+        return cls(ra2p, ERSPolicy(ers, ideal_batch=ideal_batch) if elastic else None, window=window)
 
     def decide(self, inputs: BoundaryInputs, signals_for: Callable[[Optional[int]], ReadinessSignals],
                roles: Optional[Mapping[int, Role]] = None, phase: Phase = Phase.TRAIN, elastic_ref: bool = True,
@@ -132,7 +139,9 @@ class BoundaryPlanner:
         lend = None if inputs.lending is None else lending.decide(
             inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
             self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
-        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend)
+        budget = None if inputs.ctb is None or self.window is None else self.window.decide(
+            inputs.ctb, signals.rollout_kv_bound)
+        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,
                                           ref_floor, decision.summary()))

@@ -20,7 +20,8 @@ from verl_tide.ctb.tasks import RankId, Task, TaskState
 
 @dataclass
 class RankBudget:
-    budget: int
+    base: int  # KV capacity x kv_headroom: Alg. 1's budget
+    budget: int  # base x the budget factor in force (`set_factor`)
     usage: int = 0  # shared prompts of the groups resident here + every resident task's own tokens
     residents: dict[Hashable, Task] = field(default_factory=dict)
     group_residents: dict[Hashable, int] = field(default_factory=dict)
@@ -37,13 +38,24 @@ class RankBudgets:
         self.config = config
         self.shared_prompt = shared_prompt
         self.ranks: dict[RankId, RankBudget] = {}
+        self.factor = 1.0
+
+    def set_factor(self, factor: float) -> None:
+        """Scale every rank's budget (`ctb/window.py` decides by how much); the policy's next tick pauses what no
+        longer fits."""
+        if factor < 1:
+            raise ValueError(f"budget factor = {factor}: must be >= 1")
+        self.factor = factor
+        for rank in self.ranks.values():
+            rank.budget = math.floor(rank.base * factor)
 
     def add(self, rank: RankId, kv_capacity_tokens: int) -> None:
         if rank in self.ranks:
             raise ValueError(f"rank {rank!r} is already known")
         if kv_capacity_tokens <= 0:
             raise ValueError(f"rank {rank!r}: kv_capacity_tokens = {kv_capacity_tokens}, must be > 0")
-        self.ranks[rank] = RankBudget(budget=math.floor(kv_capacity_tokens * self.config.kv_headroom))
+        base = math.floor(kv_capacity_tokens * self.config.kv_headroom)
+        self.ranks[rank] = RankBudget(base=base, budget=math.floor(base * self.factor))
 
     def used(self, rank: RankBudget) -> int:
         """The tokens its budget bounds: every resident's (`resident`), or those of turns in flight or due."""

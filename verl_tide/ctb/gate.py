@@ -61,6 +61,12 @@ class TurnGate:
         self._runnable.pop(task_id, None)
         self._tick()
 
+    def set_budget_factor(self, factor: float) -> None:
+        """Scale every rank's budget (the step-boundary planner's `ctb/window.py`); what fits now starts, what no
+        longer fits pauses at its next turn boundary."""
+        self.scheduler.set_budget_factor(factor)
+        self._tick()
+
     def add_rank(self, rank: Hashable, kv_capacity_tokens: int) -> None:
         self.scheduler.add_rank(rank, kv_capacity_tokens)
         self._tick()

@@ -142,6 +142,10 @@ class CTBScheduler:
         for g, v in state.get("group_prompt", {}).items():
             self._group_prompt.setdefault(g, int(v))
 
+    def set_budget_factor(self, factor: float) -> None:
+        """Scale every rank's budget by `factor` (>= 1), from the step-boundary planner (`ctb/window.py`)."""
+        self.budgets.set_factor(factor)
+
     @property
     def ranks(self) -> dict[RankId, RankBudget]:
         """Each rank's budget and what is charged to it (`budgets.py`)."""
@@ -204,7 +208,8 @@ class CTBScheduler:
                 out.pauses.append(Decision(victim.task_id, rank_id, reason))
 
     def _fail_oversize(self, out: SchedulerOutput) -> None:
-        largest = max((r.budget for r in self.ranks.values()), default=0)
+        # A rank's KV capacity (x headroom), not its scaled budget: what no rank can ever hold, whatever the factor.
+        largest = max((r.base for r in self.ranks.values()), default=0)
         # Footprints of waiting tasks change only when tasks arrive or pause, or group probes arrive:
         # those are checked; every waiting task is checked again when the largest budget shrinks.
         if largest < self._checked_largest:

@@ -307,6 +307,10 @@ class CTBLoadBalancer:
         return {"busy_s": self.busy_seconds(), "idle_rank_s": self._idle_rank_s, "kv_wait_s": self._kv_wait_s,
                 "generating_token_s": self._generating_token_s}
 
+    def set_budget_factor(self, factor: float) -> None:
+        """Trainer `tide`'s step-boundary planner scales every rank's budget (`ctb/window.py`)."""
+        self.gate.set_budget_factor(float(factor))
+
     def clear_sticky_cache(self) -> dict:
         # After a weight sync every prefix cache is invalid anyway; CTB's budgets still describe
         # the contexts the tasks will re-prefill, so its state is kept.
@@ -322,7 +326,8 @@ class CTBLoadBalancer:
             "active_servers": len(self.servers), "busy_s": self.busy_seconds(),
             "idle_rank_s": self.idle_rank_seconds(), "kv_wait_s": self.kv_wait_seconds(),
             "turns_served": dict(self.turns_served), "pool_s": self.pool_seconds(),
-            "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget} for r, x in s.ranks.items()},
+            "ctb": {"ranks": {r: {"usage": x.usage, "budget": x.budget, "base": x.base} for r, x in s.ranks.items()},
+                    "budget_factor": s.budgets.factor,
                     "tasks": states, "eval_tasks": sum(1 for t in s.tasks.values() if t.is_eval),
                     **s.counters, **self.counters},
         }

@@ -35,6 +35,7 @@ from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.core.ledger import GoodputLedger
 from verl_tide.core.ledger import Outcome as LedgerOutcome
 from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
+from verl_tide.ctb.window import BudgetInputs
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
@@ -200,12 +201,15 @@ class Simulation:
         # the step-boundary decision, as trainer tide makes it (verl_tide/core/planner.py); RA2P's aggregation cap is
         # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
         self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
-                                             tide_ers, self.B, elastic=spec.elastic)
+                                             tide_ers, self.B, elastic=spec.elastic,
+                                             ctb=tide_ctb if self.ctb is not None else None)
+        self._hits_at_boundary = (0, 0)  # engines' (hit, prompt) tokens at the last boundary: the step's hit rate
         self.ers = self.planner.ers
         self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
         self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
+        self.budget_factors: list[float] = []  # CTB's budget factor chosen at each boundary (ctb/window.py)
         self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
         self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
@@ -526,7 +530,19 @@ class Simulation:
         return BoundaryInputs(step=self.consumed_steps, ready_times=ready, units_per_mini_batch=1,
                               step_tokens=self._last_tokens_per_mb * len(ready), rates=rates, actor_ranks=t,
                               elastic_ref_ranks=len(self.ref_ranks), replicas_up=len(self.ref_ranks),
-                              ref_beside_actor=True, uses_ref=self.spec.consume == "ra2p")
+                              ref_beside_actor=True, uses_ref=self.spec.consume == "ra2p", ctb=self.budget_inputs())
+
+    def budget_inputs(self) -> Optional[BudgetInputs]:
+        """CTB's budgets as the last step ran them and the engines' prefix-cache hit rate over it, as trainer tide
+        reads them (trainer/boundary.py's `budget_inputs`)."""
+        if self.ctb is None or not self.ctb.ranks:
+            return None
+        ranks = self._all_ranks_seen()
+        hits, prompts = sum(r.hit_tokens for r in ranks), sum(r.prompt_tokens for r in ranks)
+        (hits0, prompts0), self._hits_at_boundary = self._hits_at_boundary, (hits, prompts)
+        bases = [r.base for r in self.ctb.ranks.values()]
+        return BudgetInputs(factor=self.ctb.budgets.factor, rank_budget=sum(bases) / len(bases),
+                            hit_rate=(hits - hits0) / (prompts - prompts0) if prompts > prompts0 else None)
 
     def lending_inputs(self, times: StageTimes) -> Optional[LendingInputs]:
         """ERS's lending inputs as trainer tide builds them (trainer/lending.py): what is ready for the next step,
@@ -548,6 +564,9 @@ class Simulation:
             lambda be: self.tracker.signals(self.B, self.ers_cfg.tau, ras_break_even=be, t=end),
             roles if self.ers is not None else None, Phase.EVAL if eval_next else Phase.TRAIN)
         self.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # RA2P's choice and ERS's plan together
+        if decision.budget is not None and self.ctb is not None:
+            self.ctb.set_budget_factor(decision.budget.factor)
+            self.budget_factors.append(decision.budget.factor)
         if self.ers is None:
             return decision.choice.reason if decision.choice else "RA2P: nothing measured yet"
         if not self._eval_in_cycle:  # an evaluation's rollout starves the trainer by design: no advice from it

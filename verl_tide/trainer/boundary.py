@@ -12,6 +12,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, Optional
 
 from verl_tide.core.planner import BoundaryDecision, BoundaryInputs, StageRates
+from verl_tide.ctb.window import BudgetInputs
 from verl_tide.ers.lending import LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
 from verl_tide.ra2p.cost import StageTimer
@@ -51,7 +52,7 @@ def observe_ref_replicas(timer: StageTimer, timing: Mapping[str, Any], metrics: 
 def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_batch: int, step_tokens: int,
                     timer: StageTimer, actor_ranks: int, fixed_ref_ranks: int, roles: Mapping[int, Role],
                     replicas_up: int, ref_beside_actor: bool, uses_ref: bool,
-                    lending: Optional[LendingInputs] = None) -> BoundaryInputs:
+                    lending: Optional[LendingInputs] = None, ctb: Optional[BudgetInputs] = None) -> BoundaryInputs:
     """The planner's inputs from what trainer `tide` holds at the post-update boundary: the readiness tracker's
     ready times of the last step (per GRPO group), verl's mini-batch size in groups, the ledger's consumed tokens,
     the stage timer's rates, and the ranks in each role."""
@@ -59,7 +60,19 @@ def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_bat
         step=step, ready_times=tuple(ready_times), units_per_mini_batch=groups_per_mini_batch,
         step_tokens=step_tokens, rates=StageRates.from_timer(timer), actor_ranks=actor_ranks,
         fixed_ref_ranks=fixed_ref_ranks, elastic_ref_ranks=sum(r is Role.REF for r in roles.values()),
-        replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref, lending=lending)
+        replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref, lending=lending, ctb=ctb)
+
+
+def budget_inputs(ctb_metrics: Mapping[str, float], hit_rates: Mapping[str, float]) -> Optional[BudgetInputs]:
+    """CTB's budgets as the last step ran them (the router's status, as step metrics) and the engines' mean
+    prefix-cache hit rate over it; None without CTB (no status read)."""
+    ranks = ctb_metrics.get("tide/ctb/ranks")
+    if not ranks or "tide/ctb/tokens_base" not in ctb_metrics:
+        return None
+    hits = list(hit_rates.values())
+    return BudgetInputs(factor=float(ctb_metrics.get("tide/ctb/budget_factor", 1.0)),
+                        rank_budget=ctb_metrics["tide/ctb/tokens_base"] / ranks,
+                        hit_rate=sum(hits) / len(hits) if hits else None)
 
 
 def ers_phase(global_steps: int, total_steps: int, test_freq: int, overlapped_eval: bool) -> Phase:

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class RolloutReport:
-    """Reads CTB's router and the engines' `/metrics` once per step boundary."""
+    """Reads CTB's router and the engines' `/metrics` once per step boundary (and hands CTB the planner's budget
+    factor)."""
 
     def __init__(self, pool: Any, backend: str, ctb_enabled: bool, exporter: Optional[Any] = None):
         self.pool, self.backend, self.ctb_enabled, self.exporter = pool, backend, ctb_enabled, exporter
@@ -96,9 +97,19 @@ class RolloutReport:
         m["tide/ctb/ranks"] = float(len(ctb["ranks"]))
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
+        m["tide/ctb/tokens_base"] = float(sum(r["base"] for r in ctb["ranks"].values()))  # at budget factor 1
         if actor_servers:
             m.update(lent_metrics(status, actor_servers))
         return m
+
+    def set_budget_factor(self, factor: float) -> None:
+        """The planner's budget factor for the next step, to CTB's router (`ctb/window.py`)."""
+        import ray
+
+        try:
+            ray.get(self._router().set_budget_factor.remote(factor), timeout=30)
+        except Exception as e:  # the budgets stay as they were; training goes on
+            logger.warning("verl-tide: could not set CTB's budget factor: %s", e)
 
     def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:
         """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""

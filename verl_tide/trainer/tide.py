@@ -80,7 +80,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self._init_hybrid_rollout_state()
         self._lend = None  # ERS's last lending decision (tide.ers.lend_actor)
         self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
-                                             ideal_batch(self.tide_config, config))
+                                             ideal_batch(self.tide_config, config), ctb=self.tide_config.ctb)
         self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
         self._elastic_batch = self.planner.ers.ideal_batch  # sequences the next step trains (ERS's plan)
         self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
@@ -265,6 +265,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         super().on_train_begin()
         self._training = True
         self.report.feed_rollout_clocks(self.readiness, report=False)  # the first cycle counts from the prompts
+        self.report.engine_hit_rates(self.quarantined)  # the engines' counters now: step 1 has a hit rate too
         self.readiness.rollout_started()
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
@@ -353,12 +354,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
         boundary.observe_stage_times(self.stage_timer, verl_compat.step_timing(self), step_tokens,
                                      self.ref.swap_seconds(self.global_steps))
+        ctb_m = self.report.ctb_metrics(self.llm_server_manager.server_addresses)
+        hit_m = self.report.engine_hit_rates(self.quarantined)
         inputs = boundary.boundary_inputs(
             self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
             self.stage_timer, max(1, self.actor_rollout_wg.world_size), self.tide_config.ra2p.ref_ranks,
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
             bool(self.use_reference_policy),
-            lending.inputs_after_update(self) if self._enable_hybrid_replicas else None)
+            lending.inputs_after_update(self) if self._enable_hybrid_replicas else None,
+            boundary.budget_inputs(ctb_m, hit_m))
         tide = self.tide_config
         decision = self.planner.decide(
             inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
@@ -386,8 +390,13 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})
         m.update(self.ref.handoff_counters)
-        m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
-        m.update(self.report.engine_hit_rates(self.quarantined))
+        m.update(ctb_m)
+        m.update(hit_m)
+        if decision.budget is not None:
+            self.report.set_budget_factor(decision.budget.factor)
+            m["tide/ctb/next_budget_factor"] = decision.budget.factor
+            print(f"verl-tide step {self.global_steps}: CTB budget factor {decision.budget.factor:g} "
+                  f"({decision.budget.reason})", flush=True)
         return m, plan, signals
 
     def _apply_plan(self, plan, signals) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""CTB's budget window (ctb/window.py): when the planner lets budgets reach past KV capacity, and back."""
+
+from __future__ import annotations
+
+import pytest
+
+from verl_tide.core.config import CTBConfig, TideConfigError, parse_tide_config
+from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner
+from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.ctb.window import BudgetInputs, BudgetWindow
+
+RANK = 1000.0  # a rank's budget at factor 1
+
+
+def _decide(window: BudgetWindow, factor: float, kv_bound, hit=0.5):
+    return window.decide(BudgetInputs(factor, RANK, hit), kv_bound)
+
+
+def test_grows_while_work_waits_for_budget_up_to_the_cap():
+    w = BudgetWindow(max_factor=4.0)
+    factor, seen = 1.0, []
+    for _ in range(4):
+        factor = _decide(w, factor, kv_bound=0.8).factor
+        seen.append(factor)
+    assert seen == [2.0, 4.0, 4.0, 4.0]
+
+
+@pytest.mark.parametrize("kv_bound, hit, why", [(0.1, 0.5, "keep: waited 10%"), (None, 0.5, "not measured"),
+                                                (0.8, None, "not measured")])
+def test_keeps_when_work_did_not_wait_or_a_signal_is_missing(kv_bound, hit, why):
+    d = _decide(BudgetWindow(8.0), 2.0, kv_bound, hit)
+    assert d.factor == 2.0 and why in d.reason
+
+
+def test_shrinks_when_the_hit_rate_falls_below_the_fixed_budgets_and_does_not_grow_back_past_it():
+    w = BudgetWindow(8.0)
+    assert _decide(w, 1.0, kv_bound=0.9, hit=0.8).factor == 2.0  # 0.8 seen at factor 1
+    assert _decide(w, 2.0, kv_bound=0.9, hit=0.75).factor == 4.0  # within 0.1: keeps growing
+    d = _decide(w, 4.0, kv_bound=0.9, hit=0.6)
+    assert d.factor == 2.0 and "hit rate 0.60 fell from 0.80" in d.reason and "ceiling now 2" in d.reason
+    assert w.base_hit_rate == 0.8  # recorded only while the budget was Alg. 1's
+    assert _decide(w, 2.0, kv_bound=0.9, hit=0.78).factor == 2.0  # the ceiling holds
+    assert _decide(w, 2.0, kv_bound=0.9, hit=0.5).factor == 1.0  # and falls again, never below 1
+    assert _decide(w, 1.0, kv_bound=0.9, hit=0.5).factor == 1.0
+
+
+def test_a_cache_that_hit_little_at_the_fixed_budget_is_not_guarded():
+    """Below PROTECTED_HIT at factor 1 there is little to protect and the per-step rate is noise: no shrink."""
+    w = BudgetWindow(8.0)
+    assert _decide(w, 1.0, kv_bound=0.9, hit=0.16).factor == 2.0
+    assert _decide(w, 2.0, kv_bound=0.9, hit=0.03).factor == 4.0
+
+
+def test_a_factor_of_one_is_alg_1s_fixed_budget_and_below_one_is_refused():
+    assert _decide(BudgetWindow(1.0), 1.0, kv_bound=1.0).factor == 1.0
+    with pytest.raises(ValueError, match="max_budget_factor"):
+        BudgetWindow(0.5)
+    with pytest.raises(TideConfigError, match="tide.ctb.max_budget_factor"):
+        parse_tide_config({"ctb": {"max_budget_factor": 0.5}})
+
+
+def test_the_scheduler_scales_budgets_and_pauses_what_no_longer_fits_when_they_shrink():
+    s = CTBScheduler(CTBConfig(kv_headroom=1.0, probe_first_turn=False), {"r0": 100})
+    for i in range(4):
+        s.add_task(i, group_id=i, prompt_tokens=40)
+    assert len(s.tick().admissions) == 2  # 2 x 40 of 100
+    s.set_budget_factor(4.0)
+    assert s.ranks["r0"].budget == 400 and s.ranks["r0"].base == 100
+    assert len(s.tick().admissions) == 2  # the other two now fit
+    s.set_budget_factor(1.0)
+    out = s.tick()
+    assert len(out.pauses) == 2 and s.ranks["r0"].usage <= 100
+    assert s.count(TaskState.RESIDENT) == 2 and s.count(TaskState.PAUSED) == 2
+    s.add_rank("r1", 100)  # a rank joining later gets the factor in force
+    s.set_budget_factor(2.0)
+    assert s.ranks["r1"].budget == 200
+    with pytest.raises(ValueError, match="must be >= 1"):
+        s.set_budget_factor(0.5)
+
+
+def test_what_no_rank_can_hold_is_judged_by_kv_capacity_not_the_scaled_budget():
+    s = CTBScheduler(CTBConfig(kv_headroom=1.0), {"r0": 100})
+    s.set_budget_factor(8.0)
+    s.add_task("big", group_id="g", prompt_tokens=150)
+    out = s.tick()
+    assert [d.task_id for d in out.failed] == ["big"]
+    assert s.tasks["big"].outcome is Outcome.DROPPED_FAILED
+
+
+def _signals(kv_bound, decode_context):
+    return ReadinessSignals(ready_at_start=0, time_per_ready_microbatch=None, tprm_smoothed=None, hol_latency=0.0,
+                            ready_volume=0, mean_step_time=None, generation_deficit=False, consumption_deficit=False,
+                            rollout_wait_s=0.0, trainer_wait_s=0.0, rollout_kv_bound=kv_bound,
+                            rollout_decode_context=decode_context)
+
+
+def test_the_planner_decides_the_factor_only_with_ctb_and_its_inputs():
+    tide = parse_tide_config({})
+    inputs = BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None, actor_ranks=1,
+                            uses_ref=False, ctb=BudgetInputs(1.0, RANK, 0.1))
+    planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb)
+    decision = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK))
+    assert "grow" in decision.budget.reason
+    assert decision.budget.factor == 2.0 and decision.summary()["budget"][0] == 2.0
+    off = parse_tide_config({"ctb": {"enabled": False}})
+    assert BoundaryPlanner.build(off.ra2p, off.ers, ideal_batch=8, ctb=off.ctb).decide(
+        inputs, lambda _: _signals(0.9, 0.2 * RANK)).budget is None
+    no_inputs = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb).decide(
+        BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None, actor_ranks=1,
+                       uses_ref=False), lambda _: _signals(0.9, 0.2 * RANK))
+    assert no_inputs.budget is None
