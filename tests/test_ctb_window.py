@@ -10,11 +10,11 @@ from verl_tide.core.readiness import ReadinessSignals
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ctb.window import BudgetInputs, BudgetWindow
 
-RANK = 1000.0  # a rank's budget at factor 1
+RANK = 1000.0  # a rank's budget at factor 1 (the decode-context signal, which the window does not read)
 
 
 def _decide(window: BudgetWindow, factor: float, kv_bound, hit=0.5):
-    return window.decide(BudgetInputs(factor, RANK, hit), kv_bound)
+    return window.decide(BudgetInputs(factor, hit), kv_bound)
 
 
 def test_grows_while_work_waits_for_budget_up_to_the_cap():
@@ -98,7 +98,7 @@ def _signals(kv_bound, decode_context):
 def test_the_planner_decides_the_factor_only_with_ctb_and_its_inputs():
     tide = parse_tide_config({})
     inputs = BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None, actor_ranks=1,
-                            uses_ref=False, ctb=BudgetInputs(1.0, RANK, 0.1))
+                            uses_ref=False, ctb=BudgetInputs(1.0, 0.1))
     planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb)
     decision = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK))
     assert "grow" in decision.budget.reason

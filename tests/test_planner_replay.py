@@ -65,8 +65,7 @@ def test_the_trainers_adapter_builds_the_inputs_the_simulator_decided_on(recorde
 
 def _budget_as_the_trainer_reads_it(ctb):
     """CTB's router status as trainer `tide` logs it (one rank), and the engines' hit rate, through its adapter."""
-    return budget_inputs({"tide/ctb/ranks": 1.0, "tide/ctb/tokens_base": ctb.rank_budget,
-                          "tide/ctb/budget_factor": ctb.factor}, {} if ctb.hit_rate is None else {"0": ctb.hit_rate})
+    return budget_inputs({"tide/ctb/budget_factor": ctb.factor}, {} if ctb.hit_rate is None else {"0": ctb.hit_rate})
 
 
 def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_trainers_inputs():

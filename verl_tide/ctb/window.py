@@ -39,7 +39,6 @@ class BudgetInputs:
     """What the last step ran under and what it measured."""
 
     factor: float  # the budget factor in force during the last step
-    rank_budget: float  # a rank's token budget at factor 1 (KV capacity x kv_headroom), mean over ranks
     hit_rate: Optional[float] = None  # the engines' prefix-cache hit rate over the last step; None: unknown
 
 

@@ -540,8 +540,7 @@ class Simulation:
         ranks = self._all_ranks_seen()
         hits, prompts = sum(r.hit_tokens for r in ranks), sum(r.prompt_tokens for r in ranks)
         (hits0, prompts0), self._hits_at_boundary = self._hits_at_boundary, (hits, prompts)
-        bases = [r.base for r in self.ctb.ranks.values()]
-        return BudgetInputs(factor=self.ctb.budgets.factor, rank_budget=sum(bases) / len(bases),
+        return BudgetInputs(factor=self.ctb.budgets.factor,
                             hit_rate=(hits - hits0) / (prompts - prompts0) if prompts > prompts0 else None)
 
     def lending_inputs(self, times: StageTimes) -> Optional[LendingInputs]:

@@ -64,14 +64,12 @@ def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_bat
 
 
 def budget_inputs(ctb_metrics: Mapping[str, float], hit_rates: Mapping[str, float]) -> Optional[BudgetInputs]:
-    """CTB's budgets as the last step ran them (the router's status, as step metrics) and the engines' mean
+    """The budget factor the last step ran under (the router's status, as step metrics) and the engines' mean
     prefix-cache hit rate over it; None without CTB (no status read)."""
-    ranks = ctb_metrics.get("tide/ctb/ranks")
-    if not ranks or "tide/ctb/tokens_base" not in ctb_metrics:
+    if "tide/ctb/budget_factor" not in ctb_metrics:
         return None
     hits = list(hit_rates.values())
-    return BudgetInputs(factor=float(ctb_metrics.get("tide/ctb/budget_factor", 1.0)),
-                        rank_budget=ctb_metrics["tide/ctb/tokens_base"] / ranks,
+    return BudgetInputs(factor=float(ctb_metrics["tide/ctb/budget_factor"]),
                         hit_rate=sum(hits) / len(hits) if hits else None)
 
 
