@@ -28,6 +28,7 @@ from verl_tide.ctb.tasks import Decision, Outcome, RankId, SchedulerOutput, Task
 
 __all__ = ["CTBScheduler", "Decision", "Outcome", "RankId", "SchedulerOutput", "Task", "TaskId", "TaskState"]
 
+
 class CTBScheduler:
     def __init__(self, config: CTBConfig, rank_kv_capacity: dict[RankId, int]):
         self.config = config

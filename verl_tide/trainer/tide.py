@@ -393,7 +393,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(ctb_m)
         m.update(hit_m)
         if decision.budget is not None:
-            self.report.set_budget_factor(decision.budget.factor)
+            if decision.budget.factor != inputs.ctb.factor:  # a Ray call and a CTB tick only when it changes
+                self.report.set_budget_factor(decision.budget.factor)
             m["tide/ctb/next_budget_factor"] = decision.budget.factor
             print(f"verl-tide step {self.global_steps}: CTB budget factor {decision.budget.factor:g} "
                   f"({decision.budget.reason})", flush=True)
