@@ -297,3 +297,28 @@ def test_decoupled_cost_takes_a_burst_of_equal_ready_times_whole_and_equals_the_
     ready = [0.5 * at for at, k in bursts for _ in range(k)]
     expected = _decoupled_item_by_item(ready, times, actor_ranks)
     assert decoupled_cost(ready, times, actor_ranks) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+def test_waits_are_the_actors_idle_time_for_data_not_the_swaps_between_bursts():
+    """What the simulator counts as the Actor's TWT inside a step (trainer `tide` measures its sampler's waits
+    for ready data): three micro-batches ready at start, aggregated one at a time, cost three swap pairs but
+    no wait; a late micro-batch is waited for from the moment the Actor ran out of work."""
+    from verl_tide.ra2p.cost import global_batch_cost, streaming_swap_cost
+
+    waits: list[float] = []
+    assert colocated_cost([0.0, 0.0, 0.0], T, max_aggregate=1, waits=waits) == 30.0
+    assert waits == []
+    # the first alone: 3 + 1 + 3 + 3 = 10 s; the second arrives at 25: 15 s idle
+    assert colocated_cost([0.0, 25.0], T, 8, waits) == 35.0 and waits == [15.0]
+    waits.clear()
+    assert split_cost([0.0, 25.0], T, 4.0, 0.5, 8, waits) > 25.0 and waits == pytest.approx([25.0 - 9.5])
+    waits.clear()
+    # decoupled: the Actor is free at 3 (no fill with one rank), the second comes at 20: 17 s
+    assert decoupled_cost([0.0, 20.0], T, 1, waits) == 23.0 and waits == [17.0]
+    waits.clear()
+    t = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
+    assert global_batch_cost([0.0, 4.0, 10.0], t, waits) == 23.0 and waits == [10.0]
+    waits.clear()
+    assert streaming_swap_cost([0.0, 20.0], t, waits) == 25.0 and waits == [15.0]
+    waits.clear()
+    assert streaming_swap_cost([0.0, 4.0, 10.0], t, waits) == 15.0 and waits == []  # each there when due

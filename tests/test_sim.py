@@ -133,6 +133,12 @@ def test_every_system_trains_every_step_and_loses_nothing(spec):
     assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
     if spec.hybrid or spec.lend_actor:  # the trainer's GPUs rolled out while it waited
         assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim._retired)
+    # where the waits are: parts of RWT and TWT; a global batch is trained only once all of it is there
+    assert 0 <= r.twt_in_step_s <= r.twt_s and 0 <= r.rwt_sync_s <= r.rwt_s
+    if not spec.sync:
+        assert r.rwt_sync_s > 0  # every weight sync pauses the rollout
+    if spec.consume == "global":
+        assert r.twt_in_step_s == 0
 
 
 def test_lend_actor_rolls_out_on_the_actors_gpus_from_the_start_and_as_ers_decides_after_updates():

@@ -45,7 +45,8 @@ class StageTimes:
         return cls(tokens * ref_s_per_token, tokens * act_f_s_per_token, tokens * act_b_s_per_token, t_swap)
 
 
-def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks: int) -> float:
+def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks: int,
+                   waits: Optional[list[float]] = None) -> float:
     """C_dec: the pipeline-fill bubble sum_{i<M} i*t_ref, plus the Actor pipeline run event by event.
 
     Appendix A writes the second term as sum_i max(delta_i, t_act_f + t_act_b) with delta_i the gap
@@ -54,8 +55,8 @@ def decoupled_cost(ready_times: Sequence[float], times: StageTimes, actor_ranks:
     micro-batch's compute when arrivals are slow; measured per-step times (benchmarks/ra2p_step.py)
     followed the event form: each micro-batch starts at max(Actor free, its arrival); its forward
     needs no ref log-probs (deferred KL), its backward waits for them from the Ref rank, which
-    serves micro-batches in arrival order."""
-    return _pipeline_fill(times, actor_ranks) + _decoupled_clock(_arrivals(ready_times), times)
+    serves micro-batches in arrival order. `waits`: see `colocated_cost`."""
+    return _pipeline_fill(times, actor_ranks) + _decoupled_clock(_arrivals(ready_times), times, waits)
 
 
 def _pipeline_fill(times: StageTimes, actor_ranks: int) -> float:
@@ -64,7 +65,7 @@ def _pipeline_fill(times: StageTimes, actor_ranks: int) -> float:
     return sum(i * times.t_ref for i in range(actor_ranks))
 
 
-def _decoupled_clock(arrivals: list[float], times: StageTimes) -> float:
+def _decoupled_clock(arrivals: list[float], times: StageTimes, waits: Optional[list[float]] = None) -> float:
     """The event form over sorted arrivals, one burst of equal ready times at a time (trainer `tide` gives a
     mini-batch's groups one ready time, so ERS weighs hundreds of groups per plan as tens of bursts). Within
     a burst of k at time a, with R = max(Ref free, a): the Ref serves them back to back (the i-th done at
@@ -79,6 +80,8 @@ def _decoupled_clock(arrivals: list[float], times: StageTimes) -> float:
         a = arrivals[i]
         j = bisect_right(arrivals, a, lo=i)
         first_ref = (ref_free if ref_free > a else a)
+        if waits is not None and a > actor_free:
+            waits.append(a - actor_free)
         start = (actor_free if actor_free > a else a) + t_act_f
         done = first_ref + t_ref
         actor_free = (start if start > done else done) + t_act_b
@@ -90,10 +93,16 @@ def _decoupled_clock(arrivals: list[float], times: StageTimes) -> float:
     return actor_free
 
 
-def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int) -> float:
-    """C_col by simulating ready-batch aggregation: wait, swap in Ref for k ready, swap in Actor for k."""
+def colocated_cost(ready_times: Sequence[float], times: StageTimes, max_aggregate: int,
+                   waits: Optional[list[float]] = None) -> float:
+    """C_col by simulating ready-batch aggregation: wait, swap in Ref for k ready, swap in Actor for k.
+
+    `waits` (each cost function takes one): the Actor's waits for data inside the step are appended to it, one
+    per time it was idle until the next micro-batch was ready. Not the cost minus the compute: aggregation
+    runs a swap pair per burst, work rather than waiting, and trainer `tide` measures its TWT as the
+    sampler's wait for ready data, which those swaps are not part of."""
     _check_aggregate(max_aggregate)
-    return _colocated_clock(_arrivals(ready_times), times, max_aggregate)
+    return _colocated_clock(_arrivals(ready_times), times, max_aggregate, waits)
 
 
 def _check_aggregate(max_aggregate: int) -> None:
@@ -107,15 +116,25 @@ def _arrivals(ready_times: Sequence[float]) -> list[float]:
     return sorted([a if a > 0.0 else 0.0 for a in ready_times])
 
 
-def _colocated_clock(arrivals: list[float], times: StageTimes, max_aggregate: int) -> float:
+def _colocated_clock(arrivals: list[float], times: StageTimes, max_aggregate: int,
+                     waits: Optional[list[float]] = None) -> float:
     clock, j, n = 0.0, 0, len(arrivals)
     while j < n:
-        clock = max(clock, arrivals[j])
+        clock = _wait_for(arrivals[j], clock, waits)
         k = _burst(arrivals, j, clock, max_aggregate)
         clock += times.t_swap + k * times.t_ref
         clock += times.t_swap + k * (times.t_act_f + times.t_act_b)
         j += k
     return clock
+
+
+def _wait_for(arrival: float, clock: float, waits: Optional[list[float]]) -> float:
+    """The clock once the micro-batch arriving at `arrival` is there; the idle time, if any, into `waits`."""
+    if arrival <= clock:
+        return clock
+    if waits is not None:
+        waits.append(arrival - clock)
+    return arrival
 
 
 def _burst(arrivals: list[float], j: int, clock: float, max_aggregate: int) -> int:
@@ -125,24 +144,25 @@ def _burst(arrivals: list[float], j: int, clock: float, max_aggregate: int) -> i
 
 
 def split_cost(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref: float, share: float,
-               max_aggregate: int) -> float:
+               max_aggregate: int, waits: Optional[list[float]] = None) -> float:
     """Colocated aggregation where Ref ranks score `share` of every Ref pass: the Actor's ranks run the
     rest of it (between the two swaps), the Ref ranks their part from the burst's start, concurrently;
     the burst's last backward waits for the Ref ranks (the KL term is deferred to the backward).
     `times` are the colocated stage times (Ref on the Actor's ranks); `ref_ranks_t_ref` is one micro-batch's
-    Ref forward on the Ref ranks. share = 0 is `colocated_cost`."""
+    Ref forward on the Ref ranks. share = 0 is `colocated_cost`. `waits`: see `colocated_cost` (the Actor's
+    wait for the Ref ranks' part is not a wait for data)."""
     if not 0 <= share < 1:
         raise ValueError(f"share = {share!r}: must be 0 <= x < 1 (all of it on Ref ranks is decoupled mode)")
     _check_aggregate(max_aggregate)
-    return _split_clock(_arrivals(ready_times), times, ref_ranks_t_ref, share, max_aggregate)
+    return _split_clock(_arrivals(ready_times), times, ref_ranks_t_ref, share, max_aggregate, waits)
 
 
 def _split_clock(arrivals: list[float], times: StageTimes, ref_ranks_t_ref: float, share: float,
-                 max_aggregate: int) -> float:
+                 max_aggregate: int, waits: Optional[list[float]] = None) -> float:
     clock = ref_free = 0.0
     j, n = 0, len(arrivals)
     while j < n:
-        clock = max(clock, arrivals[j])
+        clock = _wait_for(arrivals[j], clock, waits)
         k = _burst(arrivals, j, clock, max_aggregate)
         ref_free = max(ref_free, clock) + share * k * ref_ranks_t_ref
         clock += 2 * times.t_swap + (1 - share) * k * times.t_ref + k * (times.t_act_f + times.t_act_b)
@@ -178,18 +198,21 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
     return best / SHARE_STEPS, cost(best)
 
 
-def global_batch_cost(ready_times: Sequence[float], times: StageTimes) -> float:
-    """verl's default: wait for the whole batch, swap in Ref for every micro-batch, swap in Actor for all."""
+def global_batch_cost(ready_times: Sequence[float], times: StageTimes, waits: Optional[list[float]] = None) -> float:
+    """verl's default: wait for the whole batch, swap in Ref for every micro-batch, swap in Actor for all.
+    `waits`: see `colocated_cost`."""
     m = len(ready_times)
-    return max(max(ready_times, default=0.0), 0.0) + 2 * times.t_swap + m * (
+    return _wait_for(max(ready_times, default=0.0), 0.0, waits) + 2 * times.t_swap + m * (
         times.t_ref + times.t_act_f + times.t_act_b)
 
 
-def streaming_swap_cost(ready_times: Sequence[float], times: StageTimes) -> float:
-    """Streaming with Ref and Actor sharing a device: two swaps per micro-batch, as each arrives."""
+def streaming_swap_cost(ready_times: Sequence[float], times: StageTimes,
+                        waits: Optional[list[float]] = None) -> float:
+    """Streaming with Ref and Actor sharing a device: two swaps per micro-batch, as each arrives. `waits`: see
+    `colocated_cost`."""
     clock = 0.0
     for a in sorted(ready_times):
-        clock = max(clock, a) + 2 * times.t_swap + times.t_ref + times.t_act_f + times.t_act_b
+        clock = _wait_for(a, clock, waits) + 2 * times.t_swap + times.t_ref + times.t_act_f + times.t_act_b
     return clock
 
 

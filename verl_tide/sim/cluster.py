@@ -140,10 +140,13 @@ class Result:
     steps: list
     split_advice: Optional[SplitAdvice] = None  # ERS's last standing split advice (tide), None if none stood
     twt_ref_idle_s: float = 0.0  # of twt_s: Ref ranks idle beside the Actor's passes, not waiting for data
+    rwt_sync_s: float = 0.0  # of rwt_s: rollout paused by weight syncs; the rest is rollout out of work
+    twt_in_step_s: float = 0.0  # of twt_s: the Actor waiting for data inside steps (lending there could use it)
 
     def row(self) -> dict:
         return {"goodput_tok_s": round(self.goodput_tok_s, 1), "rwt_s": round(self.rwt_s, 1),
                 "twt_s": round(self.twt_s, 1), "twt_ref_idle_s": round(self.twt_ref_idle_s, 1),
+                "rwt_sync_s": round(self.rwt_sync_s, 1), "twt_in_step_s": round(self.twt_in_step_s, 1),
                 "kv_hit_rate": round(self.kv_hit_rate, 4), "step_time_s": round(self.step_time_s, 2)}
 
 
@@ -171,6 +174,8 @@ class Simulation:
         self.eval_pending: list[Group] = []
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
+        self.rwt_sync_gpu_s = 0.0  # part of RWT: paused by weight syncs (the rest: out of work)
+        self.twt_in_step_gpu_s = 0.0  # part of TWT: the Actor's waits for data inside steps (the rest: before them)
         self.ref_idle_gpu_s = 0.0  # part of TWT: lent Ref ranks idle while the Actor computes (no data wait)
         # Goodput: the product's ledger. Its unit of settlement here is a sequence (the simulator's micro-batches
         # split GRPO groups; trainer tide's take whole groups), so its "groups" count sequences.
@@ -462,22 +467,28 @@ class Simulation:
         times = self._stage_times(tokens / len(mbs), len(self.ref_ranks) if decoupled else 0)
         self._last_tokens_per_mb = tokens / len(mbs)
         ref_ranks_t_ref = self._stage_times(tokens / len(mbs), len(self.ref_ranks)).t_ref if share else 0.0
+        in_step: list[float] = []  # the Actor's waits for data inside the step
         if self.spec.consume == "global":
-            cost, mode = global_batch_cost([0.0] * len(mbs), times), "global"
+            cost, mode = global_batch_cost([0.0] * len(mbs), times, in_step), "global"
         elif self.spec.consume == "stream_swap":
-            cost, mode = streaming_swap_cost(ready_rel, times), "stream_swap"
+            cost, mode = streaming_swap_cost(ready_rel, times, in_step), "stream_swap"
         elif decoupled:
-            cost, mode = decoupled_cost(ready_rel, times, actor_ranks=1), "decoupled"
+            cost, mode = decoupled_cost(ready_rel, times, 1, in_step), "decoupled"
         elif share:
-            cost, mode = split_cost(ready_rel, times, ref_ranks_t_ref, share, self.spec.max_aggregate), "split"
+            cost, mode = split_cost(ready_rel, times, ref_ranks_t_ref, share, self.spec.max_aggregate,
+                                    in_step), "split"
         else:
-            cost, mode = colocated_cost(ready_rel, times, self.spec.max_aggregate), "colocated"
+            cost, mode = colocated_cost(ready_rel, times, self.spec.max_aggregate, in_step), "colocated"
         end = start + cost
         busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else
                                                                    (1 - share) * len(mbs) * times.t_ref)
         wait_from = self.trainer_free_at
-        actor_wait = max(0.0, end - wait_from - busy_actor - self._swaps(mode, len(mbs)) * times.t_swap
-                         - self._hybrid_served_s)
+        # TWT as trainer tide measures it (its sampler's waits for ready data): before the step (less the time
+        # the Actor's replica was lent; its switches count) and inside it; not the swaps between aggregated
+        # bursts, nor the Actor's waits for Ref ranks' log-probs (work elsewhere, not data missing).
+        before_step = max(0.0, start - wait_from - self._hybrid_served_s)
+        actor_wait = before_step + sum(in_step)
+        self.twt_in_step_gpu_s += self.actor_ranks * sum(in_step)
         self._hybrid_served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
         self.tracker.trainer_waited(actor_wait)
@@ -514,10 +525,6 @@ class Simulation:
         if self.progress:
             self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s ({rec.mode})")
         self._pending_after_sync = (sync_end, eval_next)
-
-    @staticmethod
-    def _swaps(mode: str, m: int) -> int:
-        return {"global": 2, "stream_swap": 2 * m, "decoupled": 0}.get(mode, 2)
 
     def boundary_inputs(self) -> BoundaryInputs:
         """The planner's inputs, as trainer tide's adapter builds them (trainer/boundary.py) from what it measures:
@@ -702,6 +709,7 @@ class Simulation:
                     self._turn_finished(self.trajs[req.task])
                 if idle_before and self._rollout_blocked(rr):
                     self.rwt_gpu_s += self.dt
+                    self.rwt_sync_gpu_s += self.dt if self.t < rr.paused_until else 0.0
                     self.tracker.rollout_waited(self.dt / len(self.ranks))  # wall-clock share of the rollout side
             self.t += self.dt
             if not self.spec.sync:
@@ -728,7 +736,8 @@ class Simulation:
         return Result(
             system=self.spec.name, gpus=self.gpus, rollout_ratio=None if self.spec.sync else self.spec.rollout_ratio,
             goodput_tok_s=self.ledger.tokens[LedgerOutcome.CONSUMED] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
-            twt_s=self.twt_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
+            twt_s=self.twt_gpu_s / self.gpus, rwt_sync_s=self.rwt_sync_gpu_s / self.gpus,
+            twt_in_step_s=self.twt_in_step_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
             step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
             consumed_tokens=self.ledger.tokens[LedgerOutcome.CONSUMED], ledger=self._ledger_report(in_flight),
             steps=[vars(s) for s in self.step_records], split_advice=self.split_advice,
