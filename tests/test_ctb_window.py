@@ -13,8 +13,8 @@ from verl_tide.ctb.window import BudgetInputs, BudgetWindow
 RANK = 1000.0  # a rank's budget at factor 1 (the decode-context signal, which the window does not read)
 
 
-def _decide(window: BudgetWindow, factor: float, kv_bound, hit=0.5):
-    return window.decide(BudgetInputs(factor, hit), kv_bound)
+def _decide(window: BudgetWindow, factor: float, kv_bound, hit=0.5, utilization=0.6):
+    return window.decide(BudgetInputs(factor, hit), kv_bound, utilization)
 
 
 def test_grows_while_work_waits_for_budget_up_to_the_cap():
@@ -26,11 +26,21 @@ def test_grows_while_work_waits_for_budget_up_to_the_cap():
     assert seen == [2.0, 4.0, 4.0, 4.0]
 
 
-@pytest.mark.parametrize("kv_bound, hit, why", [(0.1, 0.5, "keep: waited 10%"), (None, 0.5, "not measured"),
-                                                (0.8, None, "not measured")])
-def test_keeps_when_work_did_not_wait_or_a_signal_is_missing(kv_bound, hit, why):
-    d = _decide(BudgetWindow(8.0), 2.0, kv_bound, hit)
+@pytest.mark.parametrize("kv_bound, hit, utilization, why", [
+    (0.1, 0.5, 0.6, "keep: waited 10%"), (None, 0.5, 0.6, "not measured"), (0.8, None, 0.6, "not measured"),
+    (0.8, 0.5, None, "utilization not measured"),
+    (0.8, 0.5, 0.95, "engines busy 95%"),  # a KV-bound rollout whose engines work: Alg. 1's budget doing its job
+])
+def test_keeps_when_work_did_not_wait_on_idle_engines_or_a_signal_is_missing(kv_bound, hit, utilization, why):
+    d = _decide(BudgetWindow(8.0), 2.0, kv_bound, hit, utilization)
     assert d.factor == 2.0 and why in d.reason
+
+
+def test_grows_only_while_the_budget_idled_the_engines():
+    w = BudgetWindow(8.0)
+    d = _decide(w, 1.0, kv_bound=0.8, utilization=0.9)
+    assert d.factor == 2.0 and "nothing in flight 10%" in d.reason
+    assert _decide(w, 2.0, kv_bound=0.8, utilization=0.91).factor == 2.0
 
 
 def test_shrinks_when_the_hit_rate_falls_below_the_fixed_budgets_and_does_not_grow_back_past_it():
@@ -88,11 +98,11 @@ def test_what_no_rank_can_hold_is_judged_by_kv_capacity_not_the_scaled_budget():
     assert s.tasks["big"].outcome is Outcome.DROPPED_FAILED
 
 
-def _signals(kv_bound, decode_context):
+def _signals(kv_bound, decode_context, utilization=0.6):
     return ReadinessSignals(ready_at_start=0, time_per_ready_microbatch=None, tprm_smoothed=None, hol_latency=0.0,
                             ready_volume=0, mean_step_time=None, generation_deficit=False, consumption_deficit=False,
                             rollout_wait_s=0.0, trainer_wait_s=0.0, rollout_kv_bound=kv_bound,
-                            rollout_decode_context=decode_context)
+                            rollout_decode_context=decode_context, rollout_utilization=utilization)
 
 
 def test_the_planner_decides_the_factor_only_with_ctb_and_its_inputs():
@@ -103,6 +113,8 @@ def test_the_planner_decides_the_factor_only_with_ctb_and_its_inputs():
     decision = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK))
     assert "grow" in decision.budget.reason
     assert decision.budget.factor == 2.0 and decision.summary()["budget"][0] == 2.0
+    busy = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK, utilization=1.0))  # the readiness signal
+    assert busy.budget.factor == 1.0 and "engines busy 100%" in busy.budget.reason
     off = parse_tide_config({"ctb": {"enabled": False}})
     assert BoundaryPlanner.build(off.ra2p, off.ers, ideal_batch=8, ctb=off.ctb).decide(
         inputs, lambda _: _signals(0.9, 0.2 * RANK)).budget is None

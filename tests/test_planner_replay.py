@@ -6,6 +6,7 @@ own adapter, to the same decisions."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -69,14 +70,18 @@ def _budget_as_the_trainer_reads_it(ctb):
 
 
 def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_trainers_inputs():
-    """OSWorld on 8 GPUs: the rollout waits for CTB's budget in the first step with the engines' KV mostly unused
-    by turns in flight, so the planner doubles the budgets (ctb/window.py); the trainer's planner, from inputs
-    its adapter builds, decides the same at every boundary."""
-    sim = Simulation(dataclasses.replace(load_workload("osworld"), steps=12), 8, TIDE)
+    """Environment-bound with tight KV: work waits for CTB's budget while the engines have nothing in flight, so
+    the planner doubles the budgets (ctb/window.py); the trainer's planner, from inputs its adapter builds,
+    decides the same at every boundary."""
+    w0 = load_workload(str(Path(__file__).parent / "data" / "sim_tiny.yaml"))
+    w = dataclasses.replace(w0, groups_per_step=48, eval=dataclasses.replace(w0.eval, groups=0),
+                            env_latency_s=dataclasses.replace(w0.env_latency_s, mean=10.0, max=40.0),
+                            model=dataclasses.replace(w0.model, kv_bytes_per_token=3_000_000))
+    sim = Simulation(w, 8, TIDE)
     sim.planner.trace = []
     sim.run()
     factors = [rec.decision["budget"][0] for rec in sim.planner.trace]
-    assert factors[0] == 2.0 and sim.budget_factors == factors
+    assert max(factors) >= 2.0 and sim.budget_factors == factors
     assert sim.ctb.budgets.factor == factors[-1]
     for rec in sim.planner.trace:
         assert _budget_as_the_trainer_reads_it(rec.inputs.ctb) == rec.inputs.ctb

@@ -140,7 +140,7 @@ class BoundaryPlanner:
             inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
             self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
         budget = None if inputs.ctb is None or self.window is None else self.window.decide(
-            inputs.ctb, signals.rollout_kv_bound)
+            inputs.ctb, signals.rollout_kv_bound, signals.rollout_utilization)
         decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,

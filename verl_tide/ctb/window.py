@@ -8,8 +8,12 @@ most of the rollout's time, and the same job with an unbounded budget recovered 
 past KV capacity as long as that costs nothing measurable, in the manner of a congestion window:
 
 - grow (x2, up to a ceiling, at first `max_budget_factor`) while work waited for budget at least
-  `GROW_KV_BOUND` of the rollout's working time, and the engines' prefix-cache hit rate is known (the cost
-  signal below needs it);
+  `GROW_KV_BOUND` of the rollout's working time and the engines had nothing in flight at least
+  1 - `GROW_MAX_UTILIZATION` of it (the budget idled them: the waste the window is for), and the engines'
+  prefix-cache hit rate is known (the cost signal below needs it). Without the idle engines, work waiting for
+  budget is Alg. 1 doing its job: a KV-bound rollout whose engines are busy. In the simulator (2026-12-03,
+  eleventh session) the previous form of this rule, which read the wait alone, grew there and cost up to 32%
+  goodput at rollout-starved splits (ALFWorld at a 0.125 rollout ratio);
 - shrink (/2, down to 1) when the hit rate fell `HIT_DROP` below what it was at the fixed budget: the tasks let
   in evicted prefixes the waiting tasks come back to (a re-prefill each). The ceiling then drops to the shrunk
   factor, so the window does not grow back into the same evictions. Only where the fixed budget's hit rate was
@@ -32,6 +36,7 @@ from typing import Optional
 GROW_KV_BOUND = 0.25  # share of the rollout's working time work waited for CTB's budget
 HIT_DROP = 0.1  # absolute fall of the prefix-cache hit rate, against the fixed budget's, that undoes growth
 PROTECTED_HIT = 0.5  # the fixed budget's hit rate from which the cache is worth guarding
+GROW_MAX_UTILIZATION = 0.9  # the engines had a request in flight at most this share of the rollout's working time
 
 
 @dataclass(frozen=True)
@@ -58,8 +63,10 @@ class BudgetWindow:
         self.ceiling = max_factor  # lowered to the factor a shrink leaves
         self.base_hit_rate: Optional[float] = None  # the hit rate last seen at factor 1
 
-    def decide(self, inputs: BudgetInputs, kv_bound: Optional[float]) -> BudgetDecision:
-        """`kv_bound`: the readiness signal `rollout_kv_bound` of the step that ran under `inputs.factor`."""
+    def decide(self, inputs: BudgetInputs, kv_bound: Optional[float],
+               utilization: Optional[float] = None) -> BudgetDecision:
+        """`kv_bound`, `utilization`: the readiness signals `rollout_kv_bound` and `rollout_utilization` of the step
+        that ran under `inputs.factor`."""
         factor = min(max(inputs.factor, 1.0), self.max_factor)
         hit = inputs.hit_rate
         if factor <= 1.0 and hit is not None:
@@ -73,7 +80,11 @@ class BudgetWindow:
                                           f"{self.base_hit_rate:.2f} at the fixed budget; ceiling now {factor:g}")
         if kv_bound is None or hit is None:
             return BudgetDecision(factor, "keep: rollout's KV wait or the engines' hit rate not measured")
-        if kv_bound >= GROW_KV_BOUND and factor < self.ceiling:
+        if utilization is None:
+            return BudgetDecision(factor, "keep: the engines' utilization not measured")
+        if kv_bound >= GROW_KV_BOUND and factor < self.ceiling and utilization <= GROW_MAX_UTILIZATION:
             return BudgetDecision(min(self.ceiling, factor * 2),
-                                  f"grow: work waited for budget {kv_bound:.0%} of the time, hit rate {hit:.2f}")
-        return BudgetDecision(factor, f"keep: waited {kv_bound:.0%} of the time, hit rate {hit:.2f}")
+                                  f"grow: work waited for budget {kv_bound:.0%} of the time while the engines had "
+                                  f"nothing in flight {1 - utilization:.0%} of it, hit rate {hit:.2f}")
+        return BudgetDecision(factor, f"keep: waited {kv_bound:.0%} of the time, engines busy {utilization:.0%}, "
+                                      f"hit rate {hit:.2f}")
