@@ -176,6 +176,7 @@ class Simulation:
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
         self.rwt_sync_gpu_s = 0.0  # part of RWT: paused by weight syncs (the rest: out of work)
         self.twt_in_step_gpu_s = 0.0  # part of TWT: the Actor's waits for data inside steps (the rest: before them)
+        self.actor_in_step_waits: list[float] = []  # each of them, seconds (what lending inside a step could use)
         self.ref_idle_gpu_s = 0.0  # part of TWT: lent Ref ranks idle while the Actor computes (no data wait)
         # Goodput: the product's ledger. Its unit of settlement here is a sequence (the simulator's micro-batches
         # split GRPO groups; trainer tide's take whole groups), so its "groups" count sequences.
@@ -489,6 +490,7 @@ class Simulation:
         before_step = max(0.0, start - wait_from - self._hybrid_served_s)
         actor_wait = before_step + sum(in_step)
         self.twt_in_step_gpu_s += self.actor_ranks * sum(in_step)
+        self.actor_in_step_waits.extend(in_step)
         self._hybrid_served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
         self.tracker.trainer_waited(actor_wait)

@@ -1,0 +1,94 @@
+"""What lending the Actor's GPUs inside a step could take back, in the simulator (issue 27).
+
+ERS lends the Actor's GPUs before a step (the cold start, evaluations, after an update when the next mini-batch
+is far off); verl switches its hybrid replica only at step boundaries. Lending inside a step would pay where
+the Actor, having trained what was ready, waits for the next micro-batch longer than the switch's round trip
+(to rollout and back). This prints, for tide with lending (`tide_lend_actor`) on every preset at 32 GPUs, where
+its waits are (RWT: weight syncs / out of work; TWT: inside / before steps), and the Actor's in-step waits
+longer than the modeled switch round trip, with the seconds beyond it: an upper bound on what lending inside a
+step could give back (the replica would still have to make the rollout faster, which an environment-bound
+rollout does not). Writes JSON with `--json`.
+
+    .venv/bin/python benchmarks/sim_lend_in_step.py --json benchmarks/results/sim_lend_in_step_32gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from dataclasses import replace
+
+from verl_tide.sim.bench import RATIOS
+from verl_tide.sim.cluster import Simulation, SystemSpec
+from verl_tide.sim.workload import load_workload
+
+PRESETS = (("webshop", None), ("alfworld", None), ("osworld", None), ("sciboard", None),
+           ("webshop", 100), ("osworld", 100))
+
+
+def baselines(w, gpus: int) -> tuple[float, dict]:
+    """verl's best async split (where `verl-tide bench` starts tide) and the fixed-ratio system with the highest
+    goodput, verl's async and StreamRL-like, every ratio swept (what issue 27 compares tide's waits with)."""
+    best_async = best = None
+    for ratio in RATIOS:
+        for spec in (SystemSpec("verl_async_fixed", rollout_ratio=ratio),
+                     SystemSpec("streamrl_fixed", rollout_ratio=ratio, consume="stream_swap")):
+            r = Simulation(w, gpus, spec).run()
+            if best is None or r.goodput_tok_s > best.goodput_tok_s:
+                best = r
+            if spec.consume == "global" and (best_async is None or r.goodput_tok_s > best_async.goodput_tok_s):
+                best_async = r
+    return best_async.rollout_ratio, best.row() | {"system": best.system, "rollout_ratio": best.rollout_ratio}
+
+
+def measure(name: str, steps, gpus: int) -> dict:
+    w = load_workload(name)
+    w = replace(w, steps=steps) if steps else w
+    async_ratio, fixed = baselines(w, gpus)
+    sim = Simulation(w, gpus, SystemSpec("tide_lend_actor", rollout_ratio=async_ratio, routing="ctb",
+                                         consume="ra2p", eval_blocks_trainer=False, elastic=True, lend_actor=True))
+    r = sim.run()
+    round_trip = 2 * sim.costs.switch_s
+    longer = [x for x in sim.actor_in_step_waits if x > round_trip]
+    return {"workload": name, "steps": w.steps, "gpus": gpus, "best_fixed": fixed,
+            "tide_lend_actor": r.row() | {"rollout_ratio": async_ratio},
+            "waits_vs_best_fixed": round((r.rwt_s + r.twt_s) / (fixed["rwt_s"] + fixed["twt_s"]) - 1, 4),
+            "switch_round_trip_s": round(round_trip, 3), "in_step_waits": len(sim.actor_in_step_waits),
+            "in_step_waits_s": round(sum(sim.actor_in_step_waits), 1),
+            "in_step_waits_longer_than_round_trip": len(longer),
+            "seconds_beyond_round_trip": round(sum(x - round_trip for x in longer), 1),
+            "lend_after_update": sum(1 for _, lent, _ in sim.lend_decisions if lent),
+            "boundaries": len(sim.lend_decisions)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--json")
+    ap.add_argument("--quick", action="store_true", help="the 12/10-step presets only")
+    args = ap.parse_args()
+    t0, rows = time.monotonic(), []
+    print(f"{'preset':<16}{'RWT s':>8}{'syncs':>7}{'TWT s':>8}{'in step':>8}{'vs best fixed':>14}"
+          f"{'round trip s':>13}{'waits > it':>11}{'s beyond':>9}")
+    for name, steps in PRESETS:
+        if args.quick and steps:
+            continue
+        m = measure(name, steps, args.gpus)
+        rows.append(m)
+        t = m["tide_lend_actor"]
+        label = f"{name} x{m['steps']}"
+        print(f"{label:<16}{t['rwt_s']:>8.0f}{t['rwt_sync_s']:>7.0f}{t['twt_s']:>8.0f}{t['twt_in_step_s']:>8.0f}"
+              f"{m['waits_vs_best_fixed']:>+14.0%}{m['switch_round_trip_s']:>13.1f}"
+              f"{m['in_step_waits_longer_than_round_trip']:>6} of {m['in_step_waits']:<3}"
+              f"{m['seconds_beyond_round_trip']:>8.0f}", flush=True)
+    out = {"date": datetime.date.today().isoformat(), "gpus": args.gpus, "what": __doc__.split("\n\n")[1].strip(),
+           "rows": rows, "wall_s": round(time.monotonic() - t0, 1)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
