@@ -7,7 +7,8 @@ the Actor, having trained what was ready, waits for the next micro-batch longer 
 its waits are (RWT: weight syncs / out of work; TWT: inside / before steps), and the Actor's in-step waits
 longer than the modeled switch round trip, with the seconds beyond it: an upper bound on what lending inside a
 step could give back (the replica would still have to make the rollout faster, which an environment-bound
-rollout does not). Writes JSON with `--json`.
+rollout does not). tide's split and the best fixed-ratio system's waits come from `verl-tide bench`'s JSON of the
+preset (`--results`); the script checks its tide_lend_actor run against it. Writes JSON with `--json`.
 
     .venv/bin/python benchmarks/sim_lend_in_step.py --json benchmarks/results/sim_lend_in_step_32gpu.json
 """
@@ -19,8 +20,8 @@ import datetime
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
-from verl_tide.sim.bench import RATIOS
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.workload import load_workload
 
@@ -28,38 +29,39 @@ PRESETS = (("webshop", None), ("alfworld", None), ("osworld", None), ("sciboard"
            ("webshop", 100), ("osworld", 100))
 
 
-def baselines(w, gpus: int) -> tuple[float, dict]:
-    """verl's best async split (where `verl-tide bench` starts tide) and the fixed-ratio system with the highest
-    goodput, verl's async and StreamRL-like, every ratio swept (what issue 27 compares tide's waits with)."""
-    best_async = best = None
-    for ratio in RATIOS:
-        for spec in (SystemSpec("verl_async_fixed", rollout_ratio=ratio),
-                     SystemSpec("streamrl_fixed", rollout_ratio=ratio, consume="stream_swap")):
-            r = Simulation(w, gpus, spec).run()
-            if best is None or r.goodput_tok_s > best.goodput_tok_s:
-                best = r
-            if spec.consume == "global" and (best_async is None or r.goodput_tok_s > best_async.goodput_tok_s):
-                best_async = r
-    return best_async.rollout_ratio, best.row() | {"system": best.system, "rollout_ratio": best.rollout_ratio}
+def bench_json(results: Path, name: str, steps, gpus: int) -> dict:
+    """`verl-tide bench`'s JSON for the preset (committed under benchmarks/results): the split tide ran at and the
+    best fixed-ratio system's waits, so this script runs one simulation per preset, not the sweeps again."""
+    path = results / f"sim_{name}_{gpus}gpu{f'_{steps}steps' if steps else ''}.json"
+    if not path.exists():
+        raise SystemExit(f"{path}: missing; run `verl-tide bench --workload {name} --gpus {gpus}"
+                         f"{f' --steps {steps}' if steps else ''} --json {path}` first")
+    return json.loads(path.read_text())
 
 
-def measure(name: str, steps, gpus: int) -> dict:
+def measure(results: Path, name: str, steps, gpus: int) -> dict:
+    report = bench_json(results, name, steps, gpus)
     w = load_workload(name)
     w = replace(w, steps=steps) if steps else w
-    async_ratio, fixed = baselines(w, gpus)
-    sim = Simulation(w, gpus, SystemSpec("tide_lend_actor", rollout_ratio=async_ratio, routing="ctb",
-                                         consume="ra2p", eval_blocks_trainer=False, elastic=True, lend_actor=True))
+    ratio = report["systems"]["tide_lend_actor"]["rollout_ratio"]
+    best_name = max(("verl_async_fixed", "streamrl_fixed"), key=lambda n: report["systems"][n]["goodput_tok_s"])
+    fixed = report["systems"][best_name]
+    sim = Simulation(w, gpus, SystemSpec("tide_lend_actor", rollout_ratio=ratio, routing="ctb", consume="ra2p",
+                                         eval_blocks_trainer=False, elastic=True, lend_actor=True))
     r = sim.run()
+    if abs(r.goodput_tok_s - report["systems"]["tide_lend_actor"]["goodput_tok_s"]) > 0.1:
+        raise SystemExit(f"{name}: tide_lend_actor made {r.goodput_tok_s:.1f} tok/s here and "
+                         f"{report['systems']['tide_lend_actor']['goodput_tok_s']} in the bench JSON: regenerate it")
     round_trip = 2 * sim.costs.switch_s
     longer = [x for x in sim.actor_in_step_waits if x > round_trip]
-    return {"workload": name, "steps": w.steps, "gpus": gpus, "best_fixed": fixed,
-            "tide_lend_actor": r.row() | {"rollout_ratio": async_ratio},
+    return {"workload": name, "steps": w.steps, "gpus": gpus, "best_fixed": fixed | {"system": best_name},
+            "tide_lend_actor": r.row() | {"rollout_ratio": ratio},
             "waits_vs_best_fixed": round((r.rwt_s + r.twt_s) / (fixed["rwt_s"] + fixed["twt_s"]) - 1, 4),
             "switch_round_trip_s": round(round_trip, 3), "in_step_waits": len(sim.actor_in_step_waits),
             "in_step_waits_s": round(sum(sim.actor_in_step_waits), 1),
             "in_step_waits_longer_than_round_trip": len(longer),
             "seconds_beyond_round_trip": round(sum(x - round_trip for x in longer), 1),
-            "lend_after_update": sum(1 for _, lent, _ in sim.lend_decisions if lent),
+            "lent_at_boundaries": sum(1 for _, lent, _ in sim.lend_decisions if lent),
             "boundaries": len(sim.lend_decisions)}
 
 
@@ -67,6 +69,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpus", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--results", default="benchmarks/results", help="where the bench JSONs are")
     ap.add_argument("--quick", action="store_true", help="the 12/10-step presets only")
     args = ap.parse_args()
     t0, rows = time.monotonic(), []
@@ -75,7 +78,7 @@ def main() -> None:
     for name, steps in PRESETS:
         if args.quick and steps:
             continue
-        m = measure(name, steps, args.gpus)
+        m = measure(Path(args.results), name, steps, args.gpus)
         rows.append(m)
         t = m["tide_lend_actor"]
         label = f"{name} x{m['steps']}"
