@@ -1,0 +1,112 @@
+"""What one simulated system is (`SystemSpec`), the tasks it runs (`Group`, `Traj`) and what it reports
+(`StepRecord`, `Result`): the simulation's records, apart from the loop that moves them (`cluster.py`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from verl_tide.ers.advice import SplitAdvice
+from verl_tide.sim.engine import Request
+
+CONSUME_MODES = ("global", "stream_swap", "ra2p")
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    sync: bool = False  # verl's synchronous colocated trainer
+    rollout_ratio: float = 0.25  # asynchronous: fraction of GPUs that start as rollout ranks
+    routing: str = "stock"  # stock | ctb
+    consume: str = "global"  # global | stream_swap | ra2p
+    eval_blocks_trainer: bool = True
+    elastic: bool = False  # ERS
+    hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
+    # tide.ers.lend_actor: the Actor's GPUs roll out (verl's hybrid replicas) from job start until the first step
+    # can start, then after each update as ERS decides (`ers/lending.py`, through the boundary planner, as trainer
+    # tide asks it): preemptively before an evaluation, else when the expected wait pays for the switch
+    lend_actor: bool = False
+    micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
+    max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)
+
+    def __post_init__(self) -> None:
+        if self.routing not in ("stock", "ctb"):
+            raise ValueError(f"SystemSpec.routing = {self.routing!r}: must be stock | ctb")
+        if self.consume not in CONSUME_MODES:
+            raise ValueError(f"SystemSpec.consume = {self.consume!r}: must be {' | '.join(CONSUME_MODES)}")
+        if not 0 < self.rollout_ratio < 1:
+            raise ValueError(f"SystemSpec.rollout_ratio = {self.rollout_ratio}: must be 0 < x < 1")
+
+
+@dataclass(eq=False)
+class Group:
+    gid: int
+    step: int  # train step it belongs to; -1 for evaluation
+    size: int
+    prompt: int
+    done: int = 0
+    failed: int = 0
+    tokens: list = field(default_factory=list)
+    finished: list = field(default_factory=list)  # tids of its trajectories that finished (with `tokens`)
+
+    @property
+    def is_eval(self) -> bool:
+        return self.step < 0
+
+
+@dataclass(eq=False)
+class Traj:
+    tid: int
+    group: Group
+    actions: list
+    observations: list
+    latencies: list
+    start_latency: float
+    context: int
+    trained_tokens: int
+    turn: int = 0
+    rank: Optional[int] = None
+    generated: int = 0
+    pending: bool = False  # its next turn is due but held (paused by CTB, or no rank yet)
+    in_engine: Optional[Request] = None
+    done: bool = False
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start_s: float
+    end_s: float
+    micro_batches: int
+    ready_at_start: int
+    mode: str
+    rollout_ranks: int
+    ref_ranks: int
+    plan: str = ""
+    moves: list = field(default_factory=list)  # (rank, destination role) applied after this step
+
+
+@dataclass
+class Result:
+    system: str
+    gpus: int
+    rollout_ratio: Optional[float]
+    goodput_tok_s: float
+    rwt_s: float
+    twt_s: float
+    kv_hit_rate: float
+    step_time_s: float
+    makespan_s: float
+    consumed_tokens: int
+    ledger: dict
+    steps: list
+    split_advice: Optional[SplitAdvice] = None  # ERS's last standing split advice (tide), None if none stood
+    twt_ref_idle_s: float = 0.0  # of twt_s: Ref ranks idle beside the Actor's passes, not waiting for data
+    rwt_sync_s: float = 0.0  # of rwt_s: rollout paused by weight syncs; the rest is rollout out of work
+    twt_in_step_s: float = 0.0  # of twt_s: the Actor waiting for data inside steps (lending there could use it)
+
+    def row(self) -> dict:
+        return {"goodput_tok_s": round(self.goodput_tok_s, 1), "rwt_s": round(self.rwt_s, 1),
+                "twt_s": round(self.twt_s, 1), "twt_ref_idle_s": round(self.twt_ref_idle_s, 1),
+                "rwt_sync_s": round(self.rwt_sync_s, 1), "twt_in_step_s": round(self.twt_in_step_s, 1),
+                "kv_hit_rate": round(self.kv_hit_rate, 4), "step_time_s": round(self.step_time_s, 2)}
