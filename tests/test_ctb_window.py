@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 
 from verl_tide.core.config import CTBConfig, TideConfigError, parse_tide_config
-from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner
-from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, replay
+from verl_tide.core.readiness import ReadinessSignals, RolloutInterval
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ctb.window import BudgetInputs, BudgetWindow
+from verl_tide.engine_metrics import EngineMetrics
 
 RANK = 1000.0  # a rank's budget at factor 1 (the decode-context signal, which the window does not read)
 
 
 def _decide(window: BudgetWindow, factor: float, kv_bound, hit=0.5, utilization=0.6):
-    return window.decide(BudgetInputs(factor, hit), kv_bound, utilization)
+    return window.decide(BudgetInputs(factor, hit, kv_bound=kv_bound, utilization=utilization))
 
 
 def test_grows_while_work_waits_for_budget_up_to_the_cap():
@@ -106,19 +107,106 @@ def _signals(kv_bound, decode_context, utilization=0.6):
 
 
 def test_the_planner_decides_the_factor_only_with_ctb_and_its_inputs():
+    """At a boundary from the window's own interval (BudgetInputs), not the step cycle's readiness signals."""
     tide = parse_tide_config({})
-    inputs = BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None, actor_ranks=1,
-                            uses_ref=False, ctb=BudgetInputs(1.0, 0.1))
+
+    def inputs(ctb=None):
+        return BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None,
+                              actor_ranks=1, uses_ref=False, ctb=ctb)
     planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb)
-    decision = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK))
+    decision = planner.decide(inputs(BudgetInputs(1.0, 0.1, kv_bound=0.9, utilization=0.6)),
+                              lambda _: _signals(0.0, 0.2 * RANK, utilization=1.0))
     assert "grow" in decision.budget.reason
     assert decision.budget.factor == 2.0 and decision.summary()["budget"][0] == 2.0
-    busy = planner.decide(inputs, lambda _: _signals(0.9, 0.2 * RANK, utilization=1.0))  # the readiness signal
+    busy = planner.decide(inputs(BudgetInputs(1.0, 0.1, kv_bound=0.9, utilization=1.0)),
+                          lambda _: _signals(0.9, 0.2 * RANK, utilization=0.5))
     assert busy.budget.factor == 1.0 and "engines busy 100%" in busy.budget.reason
     off = parse_tide_config({"ctb": {"enabled": False}})
     assert BoundaryPlanner.build(off.ra2p, off.ers, ideal_batch=8, ctb=off.ctb).decide(
-        inputs, lambda _: _signals(0.9, 0.2 * RANK)).budget is None
+        inputs(BudgetInputs(1.0, 0.1, kv_bound=0.9, utilization=0.6)), lambda _: _signals(0.9, 0.2 * RANK)
+    ).budget is None
     no_inputs = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb).decide(
-        BoundaryInputs(step=1, ready_times=(), units_per_mini_batch=1, step_tokens=0, rates=None, actor_ranks=1,
-                       uses_ref=False), lambda _: _signals(0.9, 0.2 * RANK))
+        inputs(), lambda _: _signals(0.9, 0.2 * RANK))
     assert no_inputs.budget is None
+
+
+def test_between_boundaries_the_planner_decides_the_budget_alone_and_records_it():
+    tide = parse_tide_config({})
+    planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb)
+    planner.trace = []
+    grown = planner.decide_budget(BudgetInputs(1.0, 0.3, kv_bound=0.8, utilization=0.5))
+    assert grown.factor == 2.0 and "grow" in grown.reason
+    assert planner.decide_budget(None) is None  # CTB's router unread: nothing decided, nothing recorded
+    assert [rec.decision for rec in planner.trace] == [{"budget": (2.0, grown.reason)}]
+    assert replay(BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb), planner.trace) == [
+        {"budget": (2.0, grown.reason)}]
+    with pytest.raises(TideConfigError, match="tide.ctb.window_interval_s"):
+        parse_tide_config({"ctb": {"window_interval_s": -1}})
+
+
+def test_the_rollout_interval_reads_each_stretch_once():
+    """Shares since the last read: the busy rank-seconds over ranks x working time, where working time leaves out
+    the ranks' out-of-work time; the KV wait over the same."""
+    clock = RolloutInterval()
+    assert clock.read(10.0, {"a": 0.0, "b": 0.0}, 0.0, 0.0) == (None, None)  # the first read only marks
+    util, kv = clock.read(14.0, {"a": 2.0, "b": 3.0}, 2.0, 1.5)  # 4 s, 1 s out of work per rank: 3 s working
+    assert util == pytest.approx(5.0 / 6.0) and kv == pytest.approx(0.5)
+    util, kv = clock.read(16.0, {"a": 2.0, "b": 3.0, "c": 1.0}, 2.0, 1.5)  # a new rank counts from 0
+    assert util == pytest.approx(1.0 / 6.0) and kv == 0.0
+    assert clock.read(16.0, {"a": 2.0}, 2.0, 1.5) == (None, None)  # no working time
+
+
+class _Rollout:
+    """CTB's router's clocks and one engine's prefix-cache counters, advanced by the test; what trainer `tide`'s
+    reader is told (the RolloutReport calls it makes), and the factors it set on the router."""
+
+    def __init__(self):
+        self.busy, self.idle, self.kv_wait, self.hit, self.queried = 0.0, 0.0, 0.0, 0.0, 0.0
+        self.set_factors = []
+
+    def rollout_time(self):
+        return {"busy_s": {"r0": self.busy}, "idle_rank_s": self.idle, "kv_wait_s": self.kv_wait}
+
+    def pooled_hit_rate(self, since, quarantined):
+        from verl_tide.trainer.reporting import RolloutReport
+
+        report = RolloutReport(pool=None, backend="vllm", ctb_enabled=True)
+        report._scrape_engines = lambda q: {"e": (0, EngineMetrics("vllm", self.queried, self.hit, None, None, None))}
+        return report.pooled_hit_rate(since, quarantined)
+
+    def set_budget_factor(self, factor):
+        self.set_factors.append(factor)
+
+
+def test_trainer_tides_reader_decides_while_the_trainer_waits_once_an_interval_is_up():
+    from verl_tide.trainer.budget_window import BudgetWindowReader
+
+    tide = parse_tide_config({})
+    now = [0.0]
+    rollout = _Rollout()
+    reader = BudgetWindowReader(rollout, BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb),
+                                clock=lambda: now[0], interval_s=2.0)
+    reader.start({})
+
+    def wait_until(t, busy_share=0.5, kv_share=1.0):
+        rollout.busy += (t - now[0]) * busy_share
+        rollout.kv_wait += (t - now[0]) * kv_share
+        rollout.queried += 100.0
+        rollout.hit += 20.0
+        now[0] = t
+        reader.while_waiting(step=1, quarantined={})
+
+    wait_until(1.5)  # the interval is not up: nothing read, nothing decided
+    assert reader.decisions_in_wait == 0 and rollout.set_factors == []
+    wait_until(2.5)  # work waited for budget the whole time while the engine idled half of it: grow
+    assert rollout.set_factors == [2.0] and reader.factor == 2.0
+    assert reader.metrics() == {"tide/ctb/budget_decisions_in_wait": 1.0, "tide/ctb/budget_changes_in_wait": 1.0}
+    wait_until(5.0, busy_share=1.0)  # busy engines: keep (a decision, no change, no Ray call)
+    assert reader.metrics()["tide/ctb/budget_decisions_in_wait"] == 2.0 and rollout.set_factors == [2.0]
+    inputs = reader.inputs({})  # a boundary's read covers only the time since the last decision
+    assert inputs.factor == 2.0 and inputs.hit_rate is None  # no prompt token queried since: unknown, not 0
+    off = BudgetWindowReader(rollout, BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb),
+                             clock=lambda: now[0], interval_s=0.0)  # tide.ctb.window_interval_s=0: boundaries only
+    now[0] = 100.0
+    off.while_waiting(step=1, quarantined={})
+    assert off.decisions_in_wait == 0

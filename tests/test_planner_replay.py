@@ -11,12 +11,15 @@ from pathlib import Path
 import pytest
 
 from verl_tide.core.config import parse_tide_config
-from verl_tide.core.planner import BoundaryPlanner, replay
+from verl_tide.core.planner import BoundaryPlanner, BudgetRecord, TraceRecord, replay
 from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.workload import load_workload
-from verl_tide.trainer.boundary import boundary_inputs, budget_inputs
+from verl_tide.engine_metrics import EngineMetrics
+from verl_tide.trainer.boundary import boundary_inputs
+from verl_tide.trainer.budget_window import BudgetWindowReader
+from verl_tide.trainer.reporting import RolloutReport
 
 TIDE = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval_blocks_trainer=False, elastic=True)
 
@@ -38,6 +41,7 @@ def _as_trainer_builds_it(sim: Simulation) -> BoundaryPlanner:
 
 def test_the_trace_exercises_every_decision(recorded):
     _, trace = recorded
+    trace = _boundaries(trace)
     assert len(trace) == 11  # one boundary after every step but the last
     modes = {rec.decision["mode"] for rec in trace}
     assert {"colocated", "split"} <= modes
@@ -49,24 +53,65 @@ def test_the_trainers_adapter_builds_the_inputs_the_simulator_decided_on(recorde
     """The trainer's adapter, fed what a running job measures (ready times, stage rates observed by its
     StageTimer, the ranks' roles), gives exactly the simulator's inputs."""
     sim, trace = recorded
-    rates = trace[0].inputs.rates
+    rates = _boundaries(trace)[0].inputs.rates
     timer = StageTimer()
     for stage, seconds in (("ref", rates.ref), ("act_f", rates.act_f), ("act_b", rates.act_b),
                            ("ref_rank", rates.ref_rank)):
         timer.observe(stage, 1, seconds)  # one token: the rate is the seconds, exactly
     timer.observe("swap", 0, rates.swap_s)
     for rec in trace:
+        if isinstance(rec, BudgetRecord):
+            continue
         roles = rec.roles
         ref_ranks = sum(r is Role.REF for r in roles.values())
         built = boundary_inputs(rec.inputs.step, rec.inputs.ready_times, 1, rec.inputs.step_tokens, timer,
                                 sim.actor_ranks, 0, roles, ref_ranks, ref_beside_actor=True, uses_ref=True,
-                                ctb=_budget_as_the_trainer_reads_it(rec.inputs.ctb))
+                                ctb=rec.inputs.ctb)
         assert built == rec.inputs
+    assert _budget_as_the_trainer_reads_it(sim, trace) == [c for c in _budget_inputs(trace) if c is not None]
 
 
-def _budget_as_the_trainer_reads_it(ctb):
-    """CTB's router status as trainer `tide` logs it (one rank), and the engines' hit rate, through its adapter."""
-    return budget_inputs({"tide/ctb/budget_factor": ctb.factor}, {} if ctb.hit_rate is None else {"0": ctb.hit_rate})
+class _RecordedRollout(RolloutReport):
+    """CTB's router's clocks and one engine's `/metrics` as the simulator recorded them at each window decision:
+    trainer `tide`'s budget-window reader (`trainer/budget_window.py`) reads them through its own code."""
+
+    def __init__(self, reads):
+        super().__init__(pool=None, backend="vllm", ctb_enabled=True)
+        self.reads, self.now = iter(reads), None
+
+    def rollout_time(self):
+        self.now = next(self.reads)
+        return {k: self.now[k] for k in ("busy_s", "idle_rank_s", "kv_wait_s")}
+
+    def _scrape_engines(self, quarantined):
+        return {"engine": (0, EngineMetrics("vllm", self.now["prompt_tokens"], self.now["hit_tokens"], None, None,
+                                            None))}
+
+
+def _budget_as_the_trainer_reads_it(sim, trace):
+    """The BudgetInputs trainer `tide`'s reader builds from the same clocks, read in the simulator's order (its reads
+    at the rollout's start and at each sync's end only mark, as the reader's `start`), the factor in force as the
+    planner set it."""
+    report = _RecordedRollout(sim.window_reads)
+    reader = BudgetWindowReader(report, _as_trainer_builds_it(sim), clock=lambda: report.now["t"], interval_s=2.0)
+    decided = iter(c for c in _budget_inputs(trace) if c is not None)
+    built = []
+    for read in sim.window_reads:
+        if read["mark_only"]:
+            reader.start({})
+            continue
+        reader.factor = next(decided).factor
+        built.append(reader.inputs({}))
+    return built
+
+
+def _budget_inputs(trace):
+    """Each decision's BudgetInputs (None at a boundary CTB's router was not read at)."""
+    return [rec.inputs if isinstance(rec, BudgetRecord) else rec.inputs.ctb for rec in trace]
+
+
+def _boundaries(trace):
+    return [rec for rec in trace if isinstance(rec, TraceRecord)]
 
 
 def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_trainers_inputs():
@@ -80,12 +125,12 @@ def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_traine
     sim = Simulation(w, 8, TIDE)
     sim.planner.trace = []
     sim.run()
-    factors = [rec.decision["budget"][0] for rec in sim.planner.trace]
+    trace = sim.planner.trace
+    factors = [rec.decision["budget"][0] for rec in trace if isinstance(rec, TraceRecord)]
     assert max(factors) >= 2.0 and sim.budget_factors == factors
-    assert sim.ctb.budgets.factor == factors[-1]
-    for rec in sim.planner.trace:
-        assert _budget_as_the_trainer_reads_it(rec.inputs.ctb) == rec.inputs.ctb
-    assert replay(_as_trainer_builds_it(sim), sim.planner.trace) == [rec.decision for rec in sim.planner.trace]
+    assert sim.ctb.budgets.factor == [rec.decision["budget"][0] for rec in trace][-1]
+    assert _budget_as_the_trainer_reads_it(sim, trace) == [c for c in _budget_inputs(trace) if c is not None]
+    assert replay(_as_trainer_builds_it(sim), trace) == [rec.decision for rec in trace]
 
 
 def test_the_trace_replays_to_the_same_decisions_through_the_trainers_planner(recorded):
@@ -128,10 +173,10 @@ def test_lending_decisions_replay_through_the_trainers_planner_from_the_trainers
     from verl_tide.trainer.lending import lending_inputs
 
     sim, trace = recorded_lend
-    lends = [rec.decision["lend"] for rec in trace]
+    lends = [rec.decision["lend"] for rec in _boundaries(trace)]
     assert all(lend is not None for lend in lends) and {lend[0] for lend in lends} == {True, False}, lends
     assert replay(_as_trainer_builds_it(sim), trace) == [rec.decision for rec in trace]
-    for rec in trace:
+    for rec in _boundaries(trace):
         sim_in = rec.inputs.lending
         trained = sim_in.mini_batches
         built = lending_inputs(sim_in.ready_units, 1, sim_in.mini_batches, sim_in.switch_cost_s,

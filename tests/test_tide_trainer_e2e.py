@@ -157,11 +157,14 @@ def test_every_turn_went_through_ctb_and_signals_are_reported(tide_run):
         assert steps[n]["tide/ers/advised_rollout_gpus"] == 1
     assert "Prometheus metrics at http://127.0.0.1:" in tide_run.output
     assert len(re.findall(r"verl-tide step \d+: ERS plan: ", tide_run.output)) == STEPS
-    # CTB's budget window (ctb/window.py) decided at every boundary; the engines' KV is ample here, so the rollout
-    # never waited long for budget and the budgets stayed at Alg. 1's (KV capacity x kv_headroom)
+    # CTB's budget window (ctb/window.py) decided at every boundary, and while the trainer waited for data (the cold
+    # start: step 1 waits seconds for its first groups); the engines' KV is ample here, so the rollout never waited
+    # long for budget and the budgets stayed at Alg. 1's (KV capacity x kv_headroom)
     assert len(re.findall(r"verl-tide step \d+: CTB budget factor ", tide_run.output)) == STEPS
+    assert steps[1]["tide/ctb/budget_decisions_in_wait"] >= 1
     for n in steps:
         assert steps[n]["tide/ctb/next_budget_factor"] == 1.0 and steps[n]["tide/ctb/budget_factor"] == 1.0
+        assert steps[n]["tide/ctb/budget_changes_in_wait"] == 0
         assert steps[n]["tide/ctb/tokens_budget"] == steps[n]["tide/ctb/tokens_base"] > 0
 
 

@@ -35,7 +35,11 @@ class TideReplayBuffer(ReplayBufferAsync):
         # knows); a group it does not know is stamped when this buffer first sees it finished (verl's poll)
         self.finish_times: Optional[Callable[[list[str]], dict[str, float]]] = None
         self.stamped = {"at_finish": 0, "at_poll": 0}  # groups made ready, by where their ready time came from
+        self.while_waiting: Optional[Callable[[], None]] = None  # at each look while training waits for data
         super().__init__(*args, **kwargs)
+        from verl_tide.trainer.verl_compat import reach
+
+        reach(self, "_wait_for_next_poll", "the sampler's wait for data, where the budget window decides")
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
 
@@ -60,6 +64,13 @@ class TideReplayBuffer(ReplayBufferAsync):
             # ready when its last trajectory finished, not when verl's sampler polled (never in the future)
             self.readiness.micro_batch_ready(uid, max(samples, 1), t=min(now, finished.get(uid, now)))
             self.stamped["at_finish" if uid in finished else "at_poll"] += 1
+
+    def _wait_for_next_poll(self, partition_id: str, last_debug_time: float) -> float:
+        """verl 0.9.1's sampler calls this when it found too little ready and is about to sleep a poll: the trainer
+        waits for data now (CTB's budget window decides then too, `trainer/budget_window.py`)."""
+        if partition_id == TRAIN and self.while_waiting is not None:
+            self.while_waiting()
+        return super()._wait_for_next_poll(partition_id, last_debug_time)
 
     def groups_held(self) -> int:
         """GRPO groups TransferQueue holds for training now: submitted (verl writes a `pending` prompt key before

@@ -93,6 +93,9 @@ class CTBConfig:
         "how far the step-boundary planner may scale every rank's token budget past KV capacity x kv_headroom: "
         "doubled while work waits for budget, halved (and capped there) when the engines' prefix-cache hit rate "
         "falls 0.1 below the fixed budget's (ctb/window.py; trainer tide only)")))
+    window_interval_s: float = field(default=2.0, metadata=_check(lambda x: x >= 0, ">= 0 (0 = at step boundaries only)", (
+        "while the trainer waits for data, the budget window also decides every this many seconds, over the rollout "
+        "since it last decided (the cold start, where nothing is ready to train, is the first such wait)")))
     priority: PriorityWeights = field(default_factory=PriorityWeights)
 
 

@@ -97,7 +97,11 @@ class BoundaryDecision:
                                                 p.batch_size, p.reason),
                 "lend": None if self.lend is None else (self.lend.lend, self.lend.return_at_units,
                                                         self.lend.reason),
-                "budget": None if self.budget is None else (self.budget.factor, self.budget.reason)}
+                "budget": _budget_summary(self.budget)}
+
+
+def _budget_summary(budget: Optional[BudgetDecision]) -> Optional[tuple[float, str]]:
+    return None if budget is None else (budget.factor, budget.reason)
 
 
 @dataclass
@@ -139,13 +143,23 @@ class BoundaryPlanner:
         lend = None if inputs.lending is None else lending.decide(
             inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
             self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
-        budget = None if inputs.ctb is None or self.window is None else self.window.decide(
-            inputs.ctb, signals.rollout_kv_bound, signals.rollout_utilization)
+        budget = self._budget(inputs.ctb)
         decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,
                                           ref_floor, decision.summary()))
         return decision
+
+    def decide_budget(self, ctb: Optional[BudgetInputs]) -> Optional[BudgetDecision]:
+        """CTB's budget factor between boundaries, while the trainer waits for data, from the rollout since the
+        window last decided (`ctb/window.py`; at a boundary `decide` makes it). None without CTB or its inputs."""
+        decision = self._budget(ctb)
+        if self.trace is not None and ctb is not None:
+            self.trace.append(BudgetRecord(ctb, {"budget": _budget_summary(decision)}))
+        return decision
+
+    def _budget(self, ctb: Optional[BudgetInputs]) -> Optional[BudgetDecision]:
+        return None if ctb is None or self.window is None else self.window.decide(ctb)
 
     def _for_ers(self, costs: _StepCosts, inputs: BoundaryInputs,
                  signals_for: Callable[[Optional[int]], ReadinessSignals]
@@ -242,6 +256,14 @@ class TraceRecord:
     decision: dict
 
 
+@dataclass(frozen=True)
+class BudgetRecord:
+    """A budget decision between boundaries (`BoundaryPlanner.decide_budget`): its inputs and the decision."""
+
+    inputs: BudgetInputs
+    decision: dict
+
+
 class _Recorded:
     """`signals_for`, remembering what it answered (a replay answers the same, and fails on anything else)."""
 
@@ -254,11 +276,15 @@ class _Recorded:
         return self.seen[break_even]
 
 
-def replay(planner: BoundaryPlanner, trace: Sequence[TraceRecord]) -> list[dict]:
-    """The decisions `planner` makes on a recorded trace. A planner asking for signals the recording never
-    computed (another break-even RAS) fails: it did not decide as the recorded one did."""
+def replay(planner: BoundaryPlanner, trace: Sequence[TraceRecord | BudgetRecord]) -> list[dict]:
+    """The decisions `planner` makes on a recorded trace, boundaries and budget decisions between them in their
+    order. A planner asking for signals the recording never computed (another break-even RAS) fails: it did not
+    decide as the recorded one did."""
     out = []
     for rec in trace:
+        if isinstance(rec, BudgetRecord):
+            out.append({"budget": _budget_summary(planner.decide_budget(rec.inputs))})
+            continue
         def signals_for(break_even: Optional[int], seen: dict = rec.signals) -> ReadinessSignals:
             if break_even not in seen:
                 raise KeyError(f"step {rec.inputs.step}: break-even RAS {break_even} was never recorded "

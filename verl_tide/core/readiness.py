@@ -104,6 +104,45 @@ class ReadinessSignals:
         return self.rollout_capacity_rate * min(1.0, ranks / (of * max(busy, 1e-9)))
 
 
+def rollout_shares(busy: Optional[tuple[float, int]], kv_wait_s: Optional[float], working_s: float
+                   ) -> tuple[Optional[float], Optional[float]]:
+    """(utilization, KV-bound share) of `working_s` seconds of the rollout's working time: the share of it the
+    ranks had a request in flight (`busy`: busy rank-seconds, ranks), and the share during which work waited for
+    KV budget; None where not measured. The one formula for a step cycle and for `RolloutInterval`."""
+    utilization = None if busy is None else min(1.0, busy[0] / (busy[1] * working_s))
+    kv_bound = None if kv_wait_s is None else min(1.0, kv_wait_s / working_s)
+    return utilization, kv_bound
+
+
+@dataclass
+class RolloutInterval:
+    """The rollout's utilization and KV-bound share since the last `read`, from the same cumulative clocks as
+    `ReadinessTracker.rollout_clocks` (CTB's router keeps them). CTB's budget window reads them over the time since
+    it last decided: a step cycle at each boundary, a shorter stretch while the trainer waits for data between
+    boundaries (`ctb/window.py`), so no stretch of rollout time counts towards two of its decisions. Working time is
+    the stretch less the ranks' out-of-work time (as in a cycle). A weight sync's pause is left out by reading
+    again when it ends (the callers do): it idles the engines while work waits, the very pattern that grows the
+    window, and a short stretch can be all pause (in the simulator one such read grew the window at a
+    rollout-starved split, ALFWorld at 0.125 of 32 GPUs: -34% goodput)."""
+
+    _mark: Optional[tuple[float, dict, float, float]] = None  # t, busy s per rank, out-of-work rank-s, KV-wait s
+
+    def read(self, t: float, busy_s: Mapping[Hashable, float], idle_rank_s: float, kv_wait_s: float
+             ) -> tuple[Optional[float], Optional[float]]:
+        """(utilization, KV-bound share) since the last read, (None, None) at the first or without ranks or working
+        time; the mark moves to `t` either way. A rank not seen at the last read counts from 0."""
+        mark, self._mark = self._mark, (t, dict(busy_s), idle_rank_s, kv_wait_s)
+        if mark is None or not busy_s:
+            return None, None
+        t0, busy0, idle0, kv0 = mark
+        ranks = len(busy_s)
+        working = (t - t0) - max(0.0, idle_rank_s - idle0) / ranks
+        if working <= 0:
+            return None, None
+        busy = sum(max(0.0, v - busy0.get(r, 0.0)) for r, v in busy_s.items())
+        return rollout_shares((busy, ranks), max(0.0, kv_wait_s - kv0), working)
+
+
 @dataclass
 class _Ready:
     at: float
@@ -240,9 +279,9 @@ class ReadinessTracker:
             if working > 0:
                 self._last_capacity_rate = self._cycle_sequences / working
                 busy = self._cycle_busy  # not reported for this cycle: unknown, never the last cycle's
-                self._last_utilization = None if busy is None else min(1.0, busy[0] / (busy[1] * working))
                 load = self._cycle_load
-                self._last_kv_bound = None if load is None else min(1.0, load[0] / working)
+                self._last_utilization, self._last_kv_bound = rollout_shares(
+                    busy, None if load is None else load[0], working)
                 self._last_decode_context = None if load is None else load[1] / (working * load[2])
             self._last_cycle_s = now - self._cycle_start
         self._cycle_start, self._cycle_sequences, self._cycle_busy, self._cycle_load = now, 0, None, None

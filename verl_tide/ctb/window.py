@@ -1,4 +1,5 @@
-"""How far CTB's token budgets may reach past the engines' KV capacity, decided at each step boundary.
+"""How far CTB's token budgets may reach past the engines' KV capacity, decided at each step boundary and while
+the trainer waits for data.
 
 Alg. 1 bounds a rank's resident contexts by its KV capacity (x `kv_headroom`), so a task waiting on its
 environment keeps its prefix cached. That protection pays where a re-prefill is dear (long contexts). Where
@@ -25,7 +26,14 @@ The occupancy of the engines' KV by turns in flight (`rollout_decode_context`) i
 stop: tried first, it held the every-part job's budget near 1 while the engines' own queueing was what made
 that job fast.
 
-Pure: no verl, Ray or torch; trainer `tide` and the simulator both reach it through the step-boundary planner.
+Each decision reads the rollout over the time since the window last decided (`core/readiness.RolloutInterval`):
+a step cycle at a boundary; while the trainer waits for data, every `tide.ctb.window_interval_s` as well, since a
+budget that idles the engines then is what starves the trainer now. Boundaries alone left the whole first step,
+the cold start where nothing is ready to train, at Alg. 1's budget (on the every-part job, 2026-12-03, work waited
+for budget 79% of step 1 while the engines had nothing in flight 22% of it).
+
+Pure: no verl, Ray or torch; trainer `tide` and the simulator both reach it through the planner
+(`BoundaryPlanner.decide` at a boundary, `BoundaryPlanner.decide_budget` in a wait).
 """
 
 from __future__ import annotations
@@ -43,8 +51,12 @@ GROW_MAX_UTILIZATION = 0.9  # the engines had a request in flight at most this s
 class BudgetInputs:
     """What the last step ran under and what it measured."""
 
-    factor: float  # the budget factor in force during the last step
-    hit_rate: Optional[float] = None  # the engines' prefix-cache hit rate over the last step; None: unknown
+    factor: float  # the budget factor in force since the last decision
+    hit_rate: Optional[float] = None  # the engines' prefix-cache hit rate since then; None: unknown
+    # the rollout's shares since then (`RolloutInterval`): of its working time, work waited for budget
+    # (`kv_bound`), its engines had a request in flight (`utilization`); None: not measured
+    kv_bound: Optional[float] = None
+    utilization: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -63,12 +75,9 @@ class BudgetWindow:
         self.ceiling = max_factor  # lowered to the factor a shrink leaves
         self.base_hit_rate: Optional[float] = None  # the hit rate last seen at factor 1
 
-    def decide(self, inputs: BudgetInputs, kv_bound: Optional[float],
-               utilization: Optional[float] = None) -> BudgetDecision:
-        """`kv_bound`, `utilization`: the readiness signals `rollout_kv_bound` and `rollout_utilization` of the step
-        that ran under `inputs.factor`."""
+    def decide(self, inputs: BudgetInputs) -> BudgetDecision:
         factor = min(max(inputs.factor, 1.0), self.max_factor)
-        hit = inputs.hit_rate
+        hit, kv_bound, utilization = inputs.hit_rate, inputs.kv_bound, inputs.utilization
         if factor <= 1.0 and hit is not None:
             self.base_hit_rate = hit
         if self.max_factor <= 1.0:

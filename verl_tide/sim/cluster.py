@@ -35,7 +35,7 @@ from verl_tide.core.ledger import GoodputLedger
 from verl_tide.core.ledger import Outcome as LedgerOutcome
 from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, StageRates
 from verl_tide.ctb.window import BudgetInputs
-from verl_tide.core.readiness import ReadinessTracker
+from verl_tide.core.readiness import RolloutInterval, ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor, advise_split
 from verl_tide.ers.lending import LendingInputs
@@ -107,13 +107,21 @@ class Simulation:
         self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
                                              tide_ers, self.B, elastic=spec.elastic,
                                              ctb=tide_ctb if self.ctb is not None else None)
-        self._hits_at_boundary = (0, 0)  # engines' (hit, prompt) tokens at the last boundary: the step's hit rate
+        # CTB's budget window reads the rollout since it last decided (boundary or wait), as trainer tide does
+        # (trainer/budget_window.py): the engines' (hit, prompt) tokens and the router's clocks then
+        self._hits_at_window = (0, 0)
+        self._window_interval = RolloutInterval()
+        self._window_decided_at = 0.0
+        self._idle_rank_s = 0.0  # rank-seconds with nothing in flight while CTB queued no task (its router's clock)
         self.ers = self.planner.ers
         self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
         self.phase_end = 0.0  # sync: end of the current switch
         self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
         self.budget_factors: list[float] = []  # CTB's budget factor chosen at each boundary (ctb/window.py)
+        self.budget_factors_in_wait: list[float] = []  # factors changed while the trainer waited for data
+        self.window_reads: list[dict] = []  # with a planner trace: the clocks each window decision read
+        self.planner_ctb = tide_ctb if self.ctb is not None else None
         self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
         self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
@@ -324,6 +332,7 @@ class Simulation:
             if eval_blocked or len(self.micro_batches) < need:
                 if self.spec.hybrid and not self._hybrid_on:
                     self._hybrid(wake=True)
+                self._budget_in_wait()
                 return
             start = self.t
             if self._hybrid_on:
@@ -340,6 +349,8 @@ class Simulation:
             step["mbs"].append(mb)
         if len(step["mbs"]) == self._step_M:
             self._finish_step(step)
+        else:
+            self._budget_in_wait()  # streaming: the open step waits for its next micro-batch
 
     def _hybrid(self, wake: bool, switch_s: Optional[float] = None) -> None:
         """verl separate_async's hybrid replicas: the trainer's GPUs roll out while it waits for data; when the
@@ -439,16 +450,36 @@ class Simulation:
                               elastic_ref_ranks=len(self.ref_ranks), replicas_up=len(self.ref_ranks),
                               ref_beside_actor=True, uses_ref=self.spec.consume == "ra2p", ctb=self.budget_inputs())
 
-    def budget_inputs(self) -> Optional[BudgetInputs]:
-        """CTB's budgets as the last step ran them and the engines' prefix-cache hit rate over it, as trainer tide
-        reads them (trainer/boundary.py's `budget_inputs`)."""
+    def budget_inputs(self, mark_only: bool = False) -> Optional[BudgetInputs]:
+        """CTB's budget factor in force, the engines' prefix-cache hit rate (prompt tokens pooled) and the rollout's
+        shares since the window last decided, as trainer tide reads them (trainer/budget_window.py)."""
         if self.ctb is None or not self.ctb.ranks:
             return None
         ranks = self._all_ranks_seen()
         hits, prompts = sum(r.hit_tokens for r in ranks), sum(r.prompt_tokens for r in ranks)
-        (hits0, prompts0), self._hits_at_boundary = self._hits_at_boundary, (hits, prompts)
+        (hits0, prompts0), self._hits_at_window = self._hits_at_window, (hits, prompts)
+        busy = {r: rr.busy_s for r, rr in self.ranks.items()}
+        utilization, kv_bound = self._window_interval.read(self.t, busy, self._idle_rank_s, self._kv_wait_s)
+        if self.planner.trace is not None:  # what trainer tide's router and engines would have said
+            self.window_reads.append({"t": self.t, "busy_s": busy, "idle_rank_s": self._idle_rank_s,
+                                      "kv_wait_s": self._kv_wait_s, "hit_tokens": hits, "prompt_tokens": prompts,
+                                      "mark_only": mark_only})
+        self._window_decided_at = self.t
         return BudgetInputs(factor=self.ctb.budgets.factor,
-                            hit_rate=(hits - hits0) / (prompts - prompts0) if prompts > prompts0 else None)
+                            hit_rate=(hits - hits0) / (prompts - prompts0) if prompts > prompts0 else None,
+                            kv_bound=kv_bound, utilization=utilization)
+
+    def _budget_in_wait(self) -> None:
+        """The trainer waits for data: CTB's budget window also decides every `window_interval_s`
+        (`BoundaryPlanner.decide_budget`, as trainer tide calls it)."""
+        interval = self.planner_ctb.window_interval_s if self.planner_ctb is not None else 0.0
+        if self.ctb is None or self.planner.window is None or interval <= 0 or self._pending_after_sync or \
+                self.t - self._window_decided_at < interval:
+            return  # (a sync whose end the loop has not yet marked: its pause is no stretch the window reads)
+        decision = self.planner.decide_budget(self.budget_inputs())
+        if decision is not None and decision.factor != self.ctb.budgets.factor:
+            self.ctb.set_budget_factor(decision.factor)
+            self.budget_factors_in_wait.append(decision.factor)
 
     def lending_inputs(self, times: StageTimes) -> Optional[LendingInputs]:
         """ERS's lending inputs as trainer tide builds them (trainer/lending.py): what is ready for the next step,
@@ -577,6 +608,8 @@ class Simulation:
                 self._hybrid(wake=True, switch_s=0.0)
             self._release_train_groups()
             self.tracker.rollout_started(t=self.t)
+            if self.ctb is not None:
+                self.budget_inputs(mark_only=True)  # the window's first interval counts from the rollout's start
         while self.consumed_steps < self.w.steps:
             if self.t > max_sim_s:
                 raise RuntimeError(f"{self.spec.name}: not finished after {max_sim_s:.0f} simulated seconds")
@@ -587,6 +620,8 @@ class Simulation:
             if self._pending_after_sync and self.t >= self._pending_after_sync[0]:
                 _, eval_next = self._pending_after_sync
                 self._pending_after_sync = None
+                if self.ctb is not None:
+                    self.budget_inputs(mark_only=True)  # the window's next interval counts from the sync's end
                 if eval_next:
                     self._release_eval()
                 self._release_train_groups()
@@ -602,6 +637,8 @@ class Simulation:
             if self.ctb is not None:
                 self._ctb_tick()
                 self._kv_wait_s += self.dt if self.ctb.waiting_for_kv else 0.0
+                if not self.ctb.count(TaskState.QUEUED):
+                    self._idle_rank_s += self.dt * sum(1 for rr in self.ranks.values() if rr.idle)
                 self._generating_token_s += self.dt * self.ctb.generating_tokens
             for rr in list(self.ranks.values()):
                 idle_before = rr.idle or self.t < rr.paused_until

@@ -48,6 +48,10 @@ REPORTED = {
     "ra2p_split": "tide/ra2p/step_mode_split",
     "ers_moves": "tide/ers/moves_applied",
     "ers_ref_ranks": "tide/ers/ranks_ref",
+    # CTB's budget window: the factor the step ran under at its end, the next, and changes made in waits (cumulative)
+    "budget_factor": "tide/ctb/budget_factor",
+    "next_budget_factor": "tide/ctb/next_budget_factor",
+    "budget_changes_in_wait": "tide/ctb/budget_changes_in_wait",
 }
 
 

@@ -63,16 +63,6 @@ def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_bat
         replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref, lending=lending, ctb=ctb)
 
 
-def budget_inputs(ctb_metrics: Mapping[str, float], hit_rates: Mapping[str, float]) -> Optional[BudgetInputs]:
-    """The budget factor the last step ran under (the router's status, as step metrics) and the engines' mean
-    prefix-cache hit rate over it; None without CTB (no status read)."""
-    if "tide/ctb/budget_factor" not in ctb_metrics:
-        return None
-    hits = list(hit_rates.values())
-    return BudgetInputs(factor=float(ctb_metrics["tide/ctb/budget_factor"]),
-                        hit_rate=sum(hits) / len(hits) if hits else None)
-
-
 def ers_phase(global_steps: int, total_steps: int, test_freq: int, overlapped_eval: bool) -> Phase:
     """Evaluation starts after this step's sync and runs during the next step's rollout: ERS allocates rollout for
     it ahead of time (preemptive rollout allocation)."""

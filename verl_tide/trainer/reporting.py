@@ -111,28 +111,46 @@ class RolloutReport:
         except Exception as e:  # the budgets stay as they were; training goes on
             logger.warning("verl-tide: could not set CTB's budget factor: %s", e)
 
-    def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:
-        """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""
-        from verl_tide.engine_metrics import EngineMetrics, prefix_hit_rate
+    def _scrape_engines(self, quarantined: Mapping[int, str]) -> dict[str, tuple[int, Any]]:
+        """{address: (rank, its `/metrics` now)} of every live engine that answers (none without vLLM/SGLang)."""
+        from verl_tide.engine_metrics import EngineMetrics
 
         if self.backend not in ("vllm", "sglang"):
             return {}
-        rates: dict[str, float] = {}
-        current: dict[str, Any] = {}
+        current: dict[str, tuple[int, Any]] = {}
         for rank, replica in enumerate(self.pool.get_replicas()):
             address = replica.server_address  # current: a relaunched rank has a new one
             if rank in quarantined:
                 continue
             try:
-                current[address] = EngineMetrics.scrape(f"http://{address}", self.backend, timeout_s=5.0)
+                current[address] = (rank, EngineMetrics.scrape(f"http://{address}", self.backend, timeout_s=5.0))
             except (OSError, ValueError):
                 continue  # no /metrics (stats logging off): nothing to report
-            if address in self._engine_scrapes:
-                rates[str(rank)] = prefix_hit_rate(self._engine_scrapes[address], current[address])
-        self._engine_scrapes = current
+        return current
+
+    def engine_hit_rates(self, quarantined: Mapping[int, str]) -> dict[str, float]:
+        """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""
+        from verl_tide.engine_metrics import prefix_hit_rate
+
+        current = self._scrape_engines(quarantined)
+        rates = {str(rank): prefix_hit_rate(self._engine_scrapes[address], now)
+                 for address, (rank, now) in current.items() if address in self._engine_scrapes}
+        self._engine_scrapes = {address: now for address, (_, now) in current.items()}
         if self.exporter is not None:
             self.exporter.update_hit_rates(rates)
         return {f"tide/engine/prefix_hit_rate/{rank}": rate for rank, rate in rates.items()}
+
+    def pooled_hit_rate(self, since: Mapping[str, Any], quarantined: Mapping[int, str]
+                        ) -> tuple[Optional[float], dict[str, Any]]:
+        """The engines' prefix-cache hit rate, prompt tokens pooled over engines, since the scrapes `since` (an
+        engine not there counts from its next scrape), and the scrapes now; None when no prompt token was queried."""
+        current = {address: now for address, (_, now) in self._scrape_engines(quarantined).items()}
+        hit = queried = 0.0
+        for address, now in current.items():
+            if address in since:
+                hit += now.prefix_hit_tokens - since[address].prefix_hit_tokens
+                queried += now.prefix_queried_tokens - since[address].prefix_queried_tokens
+        return (hit / queried if queried > 0 else None), current
 
 
 class SplitAdviceReport:

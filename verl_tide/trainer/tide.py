@@ -37,6 +37,7 @@ from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, validat
 from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
+from verl_tide.trainer.budget_window import BudgetWindowReader
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
 from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text, ra2p_text
@@ -90,6 +91,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.metrics_server: Any = None
         self.health: Optional[RankHealth] = None
         self.report: Optional[RolloutReport] = None
+        self.budget_window: Optional[BudgetWindowReader] = None  # CTB's budget window's inputs, once rollout runs
         self.rollout_roles: dict[int, Role] = {}
         self._step_tokens_before = 0
         self._sample_started = 0.0
@@ -124,6 +126,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             poll_interval=self.tide_config.sample_poll_s,
         )
         buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
+        buffer.while_waiting = lambda: (self.budget_window.while_waiting(self.global_steps, self.quarantined)
+                                        if getattr(self, "budget_window", None) is not None else None)
         if self.tide_config.ctb.enabled:
             # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
             buffer.finish_times = lambda uids: (self.report.group_finish_times(uids, self.clock)
@@ -267,6 +271,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.report.feed_rollout_clocks(self.readiness, report=False)  # the first cycle counts from the prompts
         self.report.engine_hit_rates(self.quarantined)  # the engines' counters now: step 1 has a hit rate too
         self.readiness.rollout_started()
+        if self.tide_config.ctb.enabled and self.planner.window is not None:
+            self.budget_window = BudgetWindowReader(self.report, self.planner, self.clock,
+                                                    self.tide_config.ctb.window_interval_s)
+            self.budget_window.start(self.quarantined)
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
         if verl_compat.reward_workers(self) is None:
@@ -314,6 +322,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
         self.report.feed_rollout_clocks(self.readiness, report=False)
+        if self.budget_window is not None:
+            self.budget_window.start(self.quarantined)
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
         step_metrics.update(self.health.after_sync(dict(relaunched), self.rollout_roles))
@@ -362,7 +372,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
             bool(self.use_reference_policy),
             lending.inputs_after_update(self) if self._enable_hybrid_replicas else None,
-            boundary.budget_inputs(ctb_m, hit_m))
+            self.budget_window.inputs(self.quarantined) if self.budget_window is not None else None)
         tide = self.tide_config
         decision = self.planner.decide(
             inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
@@ -393,9 +403,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(ctb_m)
         m.update(hit_m)
         if decision.budget is not None:
-            if decision.budget.factor != inputs.ctb.factor:  # a Ray call and a CTB tick only when it changes
-                self.report.set_budget_factor(decision.budget.factor)
+            self.budget_window.set(decision.budget.factor)
             m["tide/ctb/next_budget_factor"] = decision.budget.factor
+            m.update(self.budget_window.metrics())
             print(f"verl-tide step {self.global_steps}: CTB budget factor {decision.budget.factor:g} "
                   f"({decision.budget.reason})", flush=True)
         return m, plan, signals
