@@ -20,7 +20,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from verl_tide.testing.compare import run_order, run_system, systems
+from verl_tide.testing.compare import is_tide, run_order, run_system, systems
 from verl_tide.testing.demo import demo_job
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, overrides = spec.partition("=")
         if not overrides:
             ap.error(f"--variant {spec!r}: expected name=override[,override...]")
+        name = name if is_tide(name) else f"tide, {name}"  # the test bed's name for a tide system
         variants[name] = replace(tide, name=name, overrides=(*tide.overrides, *overrides.split(",")))
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(args.rounds):
