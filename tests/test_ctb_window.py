@@ -167,12 +167,8 @@ class _Rollout:
     def rollout_time(self):
         return {"busy_s": {"r0": self.busy}, "idle_rank_s": self.idle, "kv_wait_s": self.kv_wait}
 
-    def pooled_hit_rate(self, since, quarantined):
-        from verl_tide.trainer.reporting import RolloutReport
-
-        report = RolloutReport(pool=None, backend="vllm", ctb_enabled=True)
-        report._scrape_engines = lambda q: {"e": (0, EngineMetrics("vllm", self.queried, self.hit, None, None, None))}
-        return report.pooled_hit_rate(since, quarantined)
+    def scrape_engines(self, quarantined):
+        return {"e": (0, EngineMetrics("vllm", self.queried, self.hit, None, None, None))}
 
     def set_budget_factor(self, factor):
         self.set_factors.append(factor)
@@ -185,8 +181,8 @@ def test_trainer_tides_reader_decides_while_the_trainer_waits_once_an_interval_i
     now = [0.0]
     rollout = _Rollout()
     reader = BudgetWindowReader(rollout, BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb),
-                                clock=lambda: now[0], interval_s=2.0)
-    reader.start({})
+                                clock=lambda: now[0])
+    reader.mark(rollout.rollout_time(), {a: m for a, (_, m) in rollout.scrape_engines({}).items()})
 
     def wait_until(t, busy_share=0.5, kv_share=1.0):
         rollout.busy += (t - now[0]) * busy_share
@@ -205,8 +201,9 @@ def test_trainer_tides_reader_decides_while_the_trainer_waits_once_an_interval_i
     assert reader.metrics()["tide/ctb/budget_decisions_in_wait"] == 2.0 and rollout.set_factors == [2.0]
     inputs = reader.inputs({})  # a boundary's read covers only the time since the last decision
     assert inputs.factor == 2.0 and inputs.hit_rate is None  # no prompt token queried since: unknown, not 0
-    off = BudgetWindowReader(rollout, BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8, ctb=tide.ctb),
-                             clock=lambda: now[0], interval_s=0.0)  # tide.ctb.window_interval_s=0: boundaries only
+    boundaries_only = parse_tide_config({"ctb": {"window_interval_s": 0}})  # tide.ctb.window_interval_s=0
+    off = BudgetWindowReader(rollout, BoundaryPlanner.build(boundaries_only.ra2p, boundaries_only.ers, ideal_batch=8,
+                                                            ctb=boundaries_only.ctb), clock=lambda: now[0])
     now[0] = 100.0
     off.while_waiting(step=1, quarantined={})
     assert off.decisions_in_wait == 0

@@ -83,7 +83,7 @@ class _RecordedRollout(RolloutReport):
         self.now = next(self.reads)
         return {k: self.now[k] for k in ("busy_s", "idle_rank_s", "kv_wait_s")}
 
-    def _scrape_engines(self, quarantined):
+    def scrape_engines(self, quarantined):
         return {"engine": (0, EngineMetrics("vllm", self.now["prompt_tokens"], self.now["hit_tokens"], None, None,
                                             None))}
 
@@ -93,12 +93,13 @@ def _budget_as_the_trainer_reads_it(sim, trace):
     at the rollout's start and at each sync's end only mark, as the reader's `start`), the factor in force as the
     planner set it."""
     report = _RecordedRollout(sim.window_reads)
-    reader = BudgetWindowReader(report, _as_trainer_builds_it(sim), clock=lambda: report.now["t"], interval_s=2.0)
+    reader = BudgetWindowReader(report, _as_trainer_builds_it(sim), clock=lambda: report.now["t"])
     decided = iter(c for c in _budget_inputs(trace) if c is not None)
     built = []
-    for read in sim.window_reads:
-        if read["mark_only"]:
-            reader.start({})
+    for i, read in enumerate(sim.window_reads):
+        if read["mark_only"]:  # the trainer's clocks just read; the engines' counters too at the rollout's start
+            clocks = report.rollout_time()
+            reader.mark(clocks, {a: m for a, (_, m) in report.scrape_engines({}).items()} if i == 0 else None)
             continue
         reader.factor = next(decided).factor
         built.append(reader.inputs({}))

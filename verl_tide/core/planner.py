@@ -120,7 +120,8 @@ class BoundaryPlanner:
     def build(cls, ra2p: RA2PConfig, ers: ERSConfig, ideal_batch: int, elastic: bool = True,
               ctb: Optional[CTBConfig] = None) -> BoundaryPlanner:
         """The one construction trainer `tide` and the simulator use."""
-        window = BudgetWindow(ctb.max_budget_factor) if ctb is not None and ctb.enabled else None
+        window = BudgetWindow(ctb.max_budget_factor, ctb.window_interval_s) if ctb is not None and ctb.enabled \
+            else None
         return cls(ra2p, ERSPolicy(ers, ideal_batch=ideal_batch) if elastic else None, window=window)
 
     def decide(self, inputs: BoundaryInputs, signals_for: Callable[[Optional[int]], ReadinessSignals],

@@ -68,12 +68,17 @@ class BudgetDecision:
 class BudgetWindow:
     """The factor by which every rank's budget is scaled for the next step (1 = Alg. 1's)."""
 
-    def __init__(self, max_factor: float):
+    def __init__(self, max_factor: float, interval_s: float = 0.0):
         if max_factor < 1:
             raise ValueError(f"tide.ctb.max_budget_factor = {max_factor}: must be >= 1")
         self.max_factor = max_factor
+        self.interval_s = interval_s  # tide.ctb.window_interval_s: between decisions in a wait (0: boundaries only)
         self.ceiling = max_factor  # lowered to the factor a shrink leaves
         self.base_hit_rate: Optional[float] = None  # the hit rate last seen at factor 1
+
+    def due_in_wait(self, now: float, decided_at: Optional[float]) -> bool:
+        """The trainer waits for data: whether the interval since the last decision (or mark) is up."""
+        return self.interval_s > 0 and (decided_at is None or now - decided_at >= self.interval_s)
 
     def decide(self, inputs: BudgetInputs) -> BudgetDecision:
         factor = min(max(inputs.factor, 1.0), self.max_factor)

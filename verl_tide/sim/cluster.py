@@ -121,7 +121,6 @@ class Simulation:
         self.budget_factors: list[float] = []  # CTB's budget factor chosen at each boundary (ctb/window.py)
         self.budget_factors_in_wait: list[float] = []  # factors changed while the trainer waited for data
         self.window_reads: list[dict] = []  # with a planner trace: the clocks each window decision read
-        self.planner_ctb = tide_ctb if self.ctb is not None else None
         self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
         self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
@@ -457,7 +456,9 @@ class Simulation:
             return None
         ranks = self._all_ranks_seen()
         hits, prompts = sum(r.hit_tokens for r in ranks), sum(r.prompt_tokens for r in ranks)
-        (hits0, prompts0), self._hits_at_window = self._hits_at_window, (hits, prompts)
+        (hits0, prompts0) = self._hits_at_window
+        if not mark_only:  # a mark moves the rollout's interval only, as trainer tide's (budget_window.py)
+            self._hits_at_window = (hits, prompts)
         busy = {r: rr.busy_s for r, rr in self.ranks.items()}
         utilization, kv_bound = self._window_interval.read(self.t, busy, self._idle_rank_s, self._kv_wait_s)
         if self.planner.trace is not None:  # what trainer tide's router and engines would have said
@@ -472,9 +473,9 @@ class Simulation:
     def _budget_in_wait(self) -> None:
         """The trainer waits for data: CTB's budget window also decides every `window_interval_s`
         (`BoundaryPlanner.decide_budget`, as trainer tide calls it)."""
-        interval = self.planner_ctb.window_interval_s if self.planner_ctb is not None else 0.0
-        if self.ctb is None or self.planner.window is None or interval <= 0 or self._pending_after_sync or \
-                self.t - self._window_decided_at < interval:
+        window = self.planner.window
+        if self.ctb is None or window is None or self._pending_after_sync or \
+                not window.due_in_wait(self.t, self._window_decided_at):
             return  # (a sync whose end the loop has not yet marked: its pause is no stretch the window reads)
         decision = self.planner.decide_budget(self.budget_inputs())
         if decision is not None and decision.factor != self.ctb.budgets.factor:

@@ -3,8 +3,10 @@
 The planner decides the factor at each step boundary with the rest of its plan, and `BoundaryPlanner.decide_budget`
 every `tide.ctb.window_interval_s` while the trainer waits for data (`ctb/window.py` says why). Both read the rollout
 since the window last decided: CTB's router's clocks through `RolloutInterval`, and the engines' prefix-cache hit
-rate, prompt tokens pooled, from scrapes of their `/metrics` kept apart from the per-step hit-rate metrics. The
-simulator reads its own clocks the same way (`sim/cluster.py`'s `budget_inputs`).
+rate, prompt tokens pooled, from their `/metrics`. At a boundary, at the rollout's start and at a sync's end the
+trainer has just read both for its readiness signals and step metrics: the reader takes those reads rather than
+asking again; only a decision in a wait reads for itself. The simulator reads its own clocks the same way
+(`sim/cluster.py`'s `budget_inputs`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from verl_tide.core.readiness import RolloutInterval
 from verl_tide.ctb.window import BudgetInputs
+from verl_tide.trainer.reporting import pooled_hit_rate
 
 if TYPE_CHECKING:
     from verl_tide.core.planner import BoundaryPlanner
@@ -21,9 +24,8 @@ if TYPE_CHECKING:
 
 
 class BudgetWindowReader:
-    def __init__(self, report: RolloutReport, planner: BoundaryPlanner, clock: Callable[[], float],
-                 interval_s: float):
-        self.report, self.planner, self.clock, self.interval_s = report, planner, clock, interval_s
+    def __init__(self, report: RolloutReport, planner: BoundaryPlanner, clock: Callable[[], float]):
+        self.report, self.planner, self.clock = report, planner, clock
         self.factor = 1.0  # in force on CTB's router (it starts at Alg. 1's budget; not checkpointed)
         self.decided_at: Optional[float] = None
         self.decisions_in_wait = 0  # decisions made while the trainer waited (step metrics, cumulative)
@@ -31,22 +33,31 @@ class BudgetWindowReader:
         self._interval = RolloutInterval()
         self._scrapes: dict[str, Any] = {}
 
-    def start(self, quarantined: Mapping[int, str]) -> None:
-        """The next interval counts from now: the rollout's start, and the end of each weight sync (its pause is
-        no stretch of rollout the window should read, `RolloutInterval`)."""
-        self.inputs(quarantined)
+    def mark(self, clocks: Optional[Mapping[str, Any]], scrapes: Optional[Mapping[str, Any]] = None) -> None:
+        """The next interval counts from these router clocks, just read by the caller: the rollout's start, and the
+        end of each weight sync (its pause is no stretch of rollout the window should read, `RolloutInterval`).
+        `scrapes` ({address: `/metrics`}): the engines' counters the hit rate counts from (at the rollout's start)."""
+        if scrapes is not None:
+            self._scrapes = dict(scrapes)
+        if clocks is not None:
+            self._read(clocks)
 
-    def inputs(self, quarantined: Mapping[int, str]) -> Optional[BudgetInputs]:
-        """The factor in force and the rollout since the last call; None when CTB's router cannot be read."""
-        clocks = self.report.rollout_time()
+    def inputs(self, quarantined: Mapping[int, str], clocks: Optional[Mapping[str, Any]] = None,
+               scrapes: Optional[Mapping[str, Any]] = None) -> Optional[BudgetInputs]:
+        """The factor in force and the rollout since the last decision or mark, from `clocks` and `scrapes` where the
+        caller just read them (else read here); None when CTB's router cannot be read."""
+        clocks = self.report.rollout_time() if clocks is None else clocks
         if clocks is None:
             return None
-        now = self.clock()
-        hit, self._scrapes = self.report.pooled_hit_rate(self._scrapes, quarantined)
-        utilization, kv_bound = self._interval.read(now, clocks["busy_s"], float(clocks["idle_rank_s"]),
-                                                    float(clocks["kv_wait_s"]))
-        self.decided_at = now
+        if scrapes is None:
+            scrapes = {address: now for address, (_, now) in self.report.scrape_engines(quarantined).items()}
+        hit, self._scrapes = pooled_hit_rate(self._scrapes, scrapes), dict(scrapes)
+        utilization, kv_bound = self._read(clocks)
         return BudgetInputs(self.factor, hit, kv_bound=kv_bound, utilization=utilization)
+
+    def _read(self, clocks: Mapping[str, Any]) -> tuple[Optional[float], Optional[float]]:
+        self.decided_at = now = self.clock()
+        return self._interval.read(now, clocks["busy_s"], float(clocks["idle_rank_s"]), float(clocks["kv_wait_s"]))
 
     def set(self, factor: float) -> None:
         """The planner's factor, to CTB's router (a Ray call and a CTB tick only when it changes)."""
@@ -60,8 +71,8 @@ class BudgetWindowReader:
 
     def while_waiting(self, step: int, quarantined: Mapping[int, str]) -> None:
         """Called at each of the trainer's looks for ready data while it waits: decides when the interval is up."""
-        if self.interval_s <= 0 or self.planner.window is None or (
-                self.decided_at is not None and self.clock() - self.decided_at < self.interval_s):
+        window = self.planner.window
+        if window is None or not window.due_in_wait(self.clock(), self.decided_at):
             return
         decision = self.planner.decide_budget(self.inputs(quarantined))
         if decision is None:

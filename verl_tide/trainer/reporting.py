@@ -65,16 +65,18 @@ class RolloutReport:
             logger.warning("verl-tide: could not read the rollout ranks' busy and idle time: %s", e)
             return None
 
-    def feed_rollout_clocks(self, readiness: ReadinessTracker, report: bool = True) -> None:
+    def feed_rollout_clocks(self, readiness: ReadinessTracker, report: bool = True) -> Optional[dict[str, Any]]:
         """This cycle's rollout time for the readiness signals, from CTB's router's clocks: its busy seconds, its
         idle rank-seconds with no task waiting (RWT beside the weight sync, as the simulator counts it), its
         seconds with work waiting for KV budget, and the decode load. Without CTB nothing is reported: RWT is the
-        sync alone and ERS assumes saturated ranks. `report=False` starts the next cycle's clocks here."""
+        sync alone and ERS assumes saturated ranks. `report=False` starts the next cycle's clocks here. Returns the
+        clocks read (CTB's budget window reads the same, `budget_window.py`)."""
         now = self.rollout_time()
         if now is not None:
             readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report,
                                      kv_wait_s=float(now["kv_wait_s"]),
                                      generating_token_s=float(now["generating_token_s"]))
+        return now
 
     def ctb_metrics(self, actor_servers: Sequence[str] = ()) -> dict[str, float]:
         """CTB's counters and per-rank token usage, read from the rollout pool's load balancer actor; with
@@ -111,7 +113,7 @@ class RolloutReport:
         except Exception as e:  # the budgets stay as they were; training goes on
             logger.warning("verl-tide: could not set CTB's budget factor: %s", e)
 
-    def _scrape_engines(self, quarantined: Mapping[int, str]) -> dict[str, tuple[int, Any]]:
+    def scrape_engines(self, quarantined: Mapping[int, str]) -> dict[str, tuple[int, Any]]:
         """{address: (rank, its `/metrics` now)} of every live engine that answers (none without vLLM/SGLang)."""
         from verl_tide.engine_metrics import EngineMetrics
 
@@ -132,7 +134,7 @@ class RolloutReport:
         """Each rollout engine's prefix-cache hit rate over the last step, from its own `/metrics`."""
         from verl_tide.engine_metrics import prefix_hit_rate
 
-        current = self._scrape_engines(quarantined)
+        current = self.scrape_engines(quarantined)
         rates = {str(rank): prefix_hit_rate(self._engine_scrapes[address], now)
                  for address, (rank, now) in current.items() if address in self._engine_scrapes}
         self._engine_scrapes = {address: now for address, (_, now) in current.items()}
@@ -140,17 +142,21 @@ class RolloutReport:
             self.exporter.update_hit_rates(rates)
         return {f"tide/engine/prefix_hit_rate/{rank}": rate for rank, rate in rates.items()}
 
-    def pooled_hit_rate(self, since: Mapping[str, Any], quarantined: Mapping[int, str]
-                        ) -> tuple[Optional[float], dict[str, Any]]:
-        """The engines' prefix-cache hit rate, prompt tokens pooled over engines, since the scrapes `since` (an
-        engine not there counts from its next scrape), and the scrapes now; None when no prompt token was queried."""
-        current = {address: now for address, (_, now) in self._scrape_engines(quarantined).items()}
-        hit = queried = 0.0
-        for address, now in current.items():
-            if address in since:
-                hit += now.prefix_hit_tokens - since[address].prefix_hit_tokens
-                queried += now.prefix_queried_tokens - since[address].prefix_queried_tokens
-        return (hit / queried if queried > 0 else None), current
+    @property
+    def engine_scrapes(self) -> dict[str, Any]:
+        """{address: `/metrics`} as `engine_hit_rates` last read them."""
+        return dict(self._engine_scrapes)
+
+
+def pooled_hit_rate(since: Mapping[str, Any], current: Mapping[str, Any]) -> Optional[float]:
+    """The engines' prefix-cache hit rate between two reads ({address: `/metrics`}), prompt tokens pooled over
+    engines (an engine missing from `since` counts from its next read); None when no prompt token was queried."""
+    hit = queried = 0.0
+    for address, now in current.items():
+        if address in since:
+            hit += now.prefix_hit_tokens - since[address].prefix_hit_tokens
+            queried += now.prefix_queried_tokens - since[address].prefix_queried_tokens
+    return hit / queried if queried > 0 else None
 
 
 class SplitAdviceReport:

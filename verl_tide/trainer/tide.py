@@ -268,13 +268,12 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def on_train_begin(self):
         super().on_train_begin()
         self._training = True
-        self.report.feed_rollout_clocks(self.readiness, report=False)  # the first cycle counts from the prompts
+        clocks = self.report.feed_rollout_clocks(self.readiness, report=False)  # the first cycle counts from here
         self.report.engine_hit_rates(self.quarantined)  # the engines' counters now: step 1 has a hit rate too
         self.readiness.rollout_started()
         if self.tide_config.ctb.enabled and self.planner.window is not None:
-            self.budget_window = BudgetWindowReader(self.report, self.planner, self.clock,
-                                                    self.tide_config.ctb.window_interval_s)
-            self.budget_window.start(self.quarantined)
+            self.budget_window = BudgetWindowReader(self.report, self.planner, self.clock)
+            self.budget_window.mark(clocks, self.report.engine_scrapes)
         if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
             return
         if verl_compat.reward_workers(self) is None:
@@ -307,9 +306,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         with marked_timer("tide_eval_collect", self.timing_raw):
             eval_metrics = self.overlapped_eval.collect() if self.overlapped_eval is not None else {}
         with marked_timer("tide_boundary", self.timing_raw):  # readiness, RA2P and ERS decide, ranks move
-            self.report.feed_rollout_clocks(self.readiness)
+            clocks = self.report.feed_rollout_clocks(self.readiness)
             self.readiness.step_finished()
-            step_metrics, plan, signals = self._decide_at_boundary()
+            step_metrics, plan, signals = self._decide_at_boundary(clocks)
             step_metrics.update(self._apply_plan(plan, signals))
         mode = self.ref.step_mode() if self.use_reference_policy else None
         step_metrics["tide/ra2p/next_ref_share"] = share = self.ref.split_share() if mode is RA2PMode.SPLIT else 0.0
@@ -321,9 +320,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.health.sync_weights(self._sync_weights_and_lend, self.rollout_roles)
         # Rollout waits while weights move; counted toward the next step's RWT (this step's signals are final).
         self.readiness.rollout_waited(self.clock() - sync_start)
-        self.report.feed_rollout_clocks(self.readiness, report=False)
+        clocks = self.report.feed_rollout_clocks(self.readiness, report=False)
         if self.budget_window is not None:
-            self.budget_window.start(self.quarantined)
+            self.budget_window.mark(clocks)
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
         step_metrics.update(self.health.after_sync(dict(relaunched), self.rollout_roles))
@@ -358,9 +357,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return boundary.ers_phase(self.global_steps, self.total_training_steps, int(self.config.trainer.test_freq),
                                   self.overlapped_eval is not None)
 
-    def _decide_at_boundary(self) -> tuple[dict[str, Any], Any, Any]:
+    def _decide_at_boundary(self, clocks: Optional[dict]) -> tuple[dict[str, Any], Any, Any]:
         """This step's metrics, RA2P's mode for the next step and ERS's plan, from the planner (one code path with
-        the simulator's)."""
+        the simulator's); `clocks`: CTB's router's, as just read for the readiness signals."""
         step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
         boundary.observe_stage_times(self.stage_timer, verl_compat.step_timing(self), step_tokens,
                                      self.ref.swap_seconds(self.global_steps))
@@ -372,7 +371,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
             bool(self.use_reference_policy),
             lending.inputs_after_update(self) if self._enable_hybrid_replicas else None,
-            self.budget_window.inputs(self.quarantined) if self.budget_window is not None else None)
+            self.budget_window.inputs(self.quarantined, clocks, self.report.engine_scrapes)
+            if self.budget_window is not None and clocks is not None else None)
         tide = self.tide_config
         decision = self.planner.decide(
             inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
