@@ -6,7 +6,7 @@ since the window last decided: CTB's router's clocks through `RolloutInterval`, 
 rate, prompt tokens pooled, from their `/metrics`. At a boundary, at the rollout's start and at a sync's end the
 trainer has just read both for its readiness signals and step metrics: the reader takes those reads rather than
 asking again; only a decision in a wait reads for itself. The simulator reads its own clocks the same way
-(`sim/cluster.py`'s `budget_inputs`).
+(`sim/boundary.py`'s `budget_inputs`).
 """
 
 from __future__ import annotations
