@@ -93,3 +93,32 @@ def test_the_trainer_looks_for_ready_groups_every_sample_poll_s_not_verls_two_se
     ready, _ = buffer.wait_for_sampleable(1, "train", 2)
     assert ready == {"a", "b"} and len(looks) == 3
     assert sleeps == [poll, poll] and poll < 2.0 / 4
+
+
+@pytest.mark.parametrize("max_staleness, trained_at, dropped", [
+    (1, 1, False), (1, 2, False), (1, 3, True),  # a lag of one version is kept, two are dropped
+    (0, 1, False), (0, 2, True),  # no lag: a group submitted a batch ahead is generated, then dropped
+])
+def test_one_staleness_bound_means_the_same_to_verls_buffer_for_tide_and_stock(monkeypatch, max_staleness, trained_at,
+                                                                                dropped):
+    """verl's own stale check (`_stale_terminal_keys`) on a finished group submitted at step 1, with the threshold
+    trainer `tide` and the head-to-head's stock systems both take from `off_policy_threshold`."""
+    import verl.trainer.ppo.v1.replay_buffer as verl_buffer
+
+    from verl_tide.job_config import off_policy_threshold
+    from verl_tide.testing.compare import systems
+    from verl_tide.testing.testbed import GRPOJob
+
+    monkeypatch.setattr(verl_buffer.tq, "kv_list", _listing)
+    threshold = off_policy_threshold(max_staleness)
+    stock = verl_buffer.ReplayBufferAsync(trainer_mode="separate_async", trainer_config={},
+                                          max_off_policy_threshold=threshold, max_off_policy_strategy="drop",
+                                          sampler_kwargs={})
+    stock._sync_metadata_from_transfer_queue()
+    assert ("a" in stock._stale_terminal_keys(trained_at, "train")) == dropped
+    job = GRPOJob(model_path="/m", train_file="/t", val_file="/v", n_gpus=2)
+    for system in systems(job, max_staleness=max_staleness):
+        if system.name.startswith("verl ") and system.name != "verl sync":
+            assert f"trainer.v1.sampler.max_off_policy_threshold={threshold}" in system.overrides, system.name
+    with pytest.raises(ValueError, match="max_staleness = -1"):
+        off_policy_threshold(-1)

@@ -11,6 +11,20 @@ from verl_tide.core.config import TideConfig, TideConfigError, parse_tide_config
 TRAINER_MODE = "tide"
 
 
+def off_policy_threshold(max_staleness: int) -> int:
+    """verl's `trainer.v1.sampler.max_off_policy_threshold` for a bound of `max_staleness` policy versions.
+
+    verl 0.9.1's replay buffer tags a group with the step that submitted it and drops it once
+    (step - tag + 1) > threshold, its "versions spanned": a group submitted at step s is rolled out with the
+    weights of update s-1, so threshold 1 trains only groups of the step's own submission (no lag) and every group
+    submitted a batch ahead is generated, then dropped. A lag of `max_staleness` versions is threshold
+    `max_staleness + 1`. Trainer `tide` and the head-to-head's stock systems both take it from here, so the two
+    run one bound."""
+    if max_staleness < 0:
+        raise ValueError(f"max_staleness = {max_staleness}: must be an integer >= 0")
+    return max_staleness + 1
+
+
 def tide_config_from_job(config: DictConfig) -> TideConfig:
     """Validate `config.tide`; raise `TideConfigError` naming each bad key.
 

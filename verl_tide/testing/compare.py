@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_tide.ers.lending import resolve_lend_actor
+from verl_tide.job_config import off_policy_threshold
 from verl_tide.testing.demo import env_agent_overrides, under_tide
 from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metrics, run_with_env_service,
                                        tide_overrides, with_overrides)
@@ -84,7 +85,8 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
     lending is run beside it; with one, tide with lending asked for beside verl's Ref). `attribution`: also
     tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`) and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
     tide's number its faster look at TransferQueue is."""
-    sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={max_staleness}"
+    # one staleness bound for all: verl's threshold counts versions spanned, tide's bound versions of lag
+    sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={off_policy_threshold(max_staleness)}"
     colocate = ("trainer.v1.trainer_mode=colocate_async", sync_every_step)
     out = [System("verl sync", (), job.n_gpus), System("verl colocate_async", colocate, job.n_gpus)]
     for rollout in range(1, job.n_gpus):  # every split the fake GPUs allow: at least one of each

@@ -34,7 +34,7 @@ from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, validation_buffer
-from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, tide_config_from_job
+from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
 from verl_tide.trainer.budget_window import BudgetWindowReader
@@ -115,8 +115,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         buffer = TideReplayBuffer(
             readiness=self.readiness, ledger=self.ledger, clock=self.clock,
             trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
-            # verl drops a group when (step - its step + 1) > threshold: a lag of max_staleness versions.
-            max_off_policy_threshold=self.tide_config.max_staleness + 1,
+            max_off_policy_threshold=off_policy_threshold(self.tide_config.max_staleness),
             max_off_policy_strategy=self.tide_config.staleness_strategy, sampler_kwargs=sampler.sampler_kwargs,
             refill_fn=self._add_prompts_to_generate,
             filter_groups_metric=self._resolve_filter_groups_metric(),
