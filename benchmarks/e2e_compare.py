@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0,
                     help="episodes, verl's data order and the rollout's sampling seed (as learning_parity.py)")
     ap.add_argument("--max-staleness", type=int, default=1, help="the staleness bound every async system gets")
+    ap.add_argument("--tide-rollout-gpus", type=int, default=None,
+                    help="fake GPUs tide rolls out on (demo 1, every_part all but one); the rest train")
     ap.add_argument("--latency-scale", type=float, default=None,
                     help="multiply environment latency (0 = none; demo 1, every_part 2)")
     ap.add_argument("--only", action="append", default=None, help="run only this system (its whole name), or those whose name contains this")
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every system, the order reversed every other round; each system's result is "
                          "its median-goodput run, with every run's goodput beside it")
+    ap.add_argument("--first-round", type=int, default=1,
+                    help="number the rounds from this one (a later sitting's round 2 runs in reverse order)")
     ap.add_argument("--timeline", action="store_true",
                     help="also record where each run's clock went (the trainer's phases, each engine's load polled "
                          "from its /metrics every 1 s, vLLM's stats on for every system): a table, timeline.png in --workdir, and the JSON; the "
@@ -80,11 +84,12 @@ def main(argv: list[str] | None = None) -> int:
         job = replace(job, use_kl_loss=True)
         extra += (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
                   "trainer.test_freq=3")
-    available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=gpus - 1 if every_part else 1,
+    tide_rollout_gpus = args.tide_rollout_gpus or (gpus - 1 if every_part else 1)
+    available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=tide_rollout_gpus,
                                             attribution=args.attribution)}
     ran = {name: available[name] for name in chosen(list(available), args.only)}
     runs: dict[str, list[dict]] = {name: [] for name in ran}
-    for round_index in range(max(1, args.repeats)):
+    for round_index in range(args.first_round - 1, args.first_round - 1 + max(1, args.repeats)):
         for name in run_order(list(ran), round_index):
             system = ran[name]
             print(f"[compare] round {round_index + 1}: {name}: {len(system.overrides)} overrides on the job's own",
