@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent.parent / "benchmarks" / "verl_vs_tide"
 
 @pytest.mark.verl_process
 def test_dry_run_prints_three_comparable_jobs():
-    env = {**os.environ, "GPUS": "8", "ROLLOUT_GPUS": "2", "STEPS": "5"}
+    env = {**os.environ, "GPUS": "8", "ROLLOUT_GPUS": "2", "STEPS": "5", "PYTHON": sys.executable}
     out = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "data.train_batch_size=64"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -27,6 +27,9 @@ def test_dry_run_prints_three_comparable_jobs():
         assert "actor_rollout_ref.rollout.n_gpus_per_node=2" in lines[name]
         assert "checkpoint_engine.backend=nccl" in lines[name]
     assert "+tide=enabled" in lines["tide"]
+    # one staleness bound: a lag of one version is tide.max_staleness=1 and verl's threshold 2 (versions spanned)
+    assert "tide.max_staleness=1" in lines["tide"]
+    assert "trainer.v1.sampler.max_off_policy_threshold=2" in lines["verl_separate_async"]
     for line in lines.values():  # the same user overrides and steps everywhere
         assert "data.train_batch_size=64" in line and "trainer.total_training_steps=5" in line
 
