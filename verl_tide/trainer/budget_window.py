@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
 from verl_tide.core.readiness import RolloutInterval
-from verl_tide.ctb.window import BudgetInputs
+from verl_tide.ctb.window import BudgetDecision, BudgetInputs
 from verl_tide.trainer.reporting import pooled_hit_rate
 
 if TYPE_CHECKING:
@@ -64,6 +64,12 @@ class BudgetWindowReader:
         if factor != self.factor:
             self.report.set_budget_factor(factor)
             self.factor = factor
+
+    def at_boundary(self, decision: BudgetDecision, step: int) -> dict[str, float]:
+        """The planner's factor at a step boundary, to CTB's router; the step's window metrics."""
+        self.set(decision.factor)
+        print(f"verl-tide step {step}: CTB budget factor {decision.factor:g} ({decision.reason})", flush=True)
+        return {"tide/ctb/next_budget_factor": decision.factor, **self.metrics()}
 
     def metrics(self) -> dict[str, float]:
         return {"tide/ctb/budget_decisions_in_wait": float(self.decisions_in_wait),

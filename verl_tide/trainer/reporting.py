@@ -21,6 +21,7 @@ from verl_tide.trainer.lending import lent_metrics
 from verl_tide.trainer.verl_compat import load_balancer
 
 if TYPE_CHECKING:
+    from verl_tide.buffer import TideReplayBuffer
     from verl_tide.trainer.ref_path import RefPath
 
 logger = logging.getLogger(__name__)
@@ -212,6 +213,18 @@ class SplitAdviceReport:
         except Exception as e:  # advice must not stop training
             logger.warning("verl-tide: could not read the model config for the split advice: %s", e)
             return 0.0
+
+
+def ledger_metrics(ledger: GoodputLedger, buffer: TideReplayBuffer, step: int) -> dict[str, float]:
+    """The ledger at a boundary, checked against the groups TransferQueue holds (counted there, not derived from
+    the ledger), and where the replay buffer's ready times came from; an imbalance is printed."""
+    held = buffer.groups_held()
+    m: dict[str, float] = {**ledger.snapshot(), "tide/ledger/groups_held": float(held)}
+    m.update({f"tide/readiness/groups_stamped_{k}": float(v) for k, v in buffer.stamped.items()})
+    imbalance = ledger.check(held)
+    if imbalance:
+        print(f"verl-tide step {step} WARNING: {imbalance}", flush=True)
+    return m
 
 
 def ledger_text(ledger: GoodputLedger) -> str:

@@ -40,7 +40,7 @@ from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, roll
 from verl_tide.trainer.budget_window import BudgetWindowReader
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
-from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_text, ra2p_text
+from verl_tide.trainer.reporting import RolloutReport, SplitAdviceReport, ledger_metrics, ledger_text, ra2p_text
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -380,17 +380,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
             ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
         signals, plan, self._lend = decision.signals, decision.plan, decision.lend
-        m: dict[str, Any] = self.ledger.snapshot()
+        m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps)
         if self._lend is not None:
             m.update(lending.decision_metrics(self._lend))
             print(f"verl-tide step {self.global_steps}: ERS {'lends' if self._lend.lend else 'keeps'} the Actor's GPU "
                   f"({self._lend.reason}); it trains again at {self._lend.return_at_units} ready groups", flush=True)
-        held = self.replay_buffer.groups_held()
-        m["tide/ledger/groups_held"] = float(held)  # counted in TransferQueue, not derived from the ledger
-        m.update({f"tide/readiness/groups_stamped_{k}": float(v) for k, v in self.replay_buffer.stamped.items()})
-        imbalance = self.ledger.check(held)
-        if imbalance:
-            print(f"verl-tide step {self.global_steps} WARNING: {imbalance}", flush=True)
         m.update(boundary.decision_metrics(decision, step_tokens, self.stage_timer))
         m["tide/rollout/ranks_quarantined"] = float(len(self.quarantined))
         m["tide/ra2p/uses_ref"] = float(self.use_reference_policy)
@@ -402,11 +396,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m.update(ctb_m)
         m.update(hit_m)
         if decision.budget is not None:
-            self.budget_window.set(decision.budget.factor)
-            m["tide/ctb/next_budget_factor"] = decision.budget.factor
-            m.update(self.budget_window.metrics())
-            print(f"verl-tide step {self.global_steps}: CTB budget factor {decision.budget.factor:g} "
-                  f"({decision.budget.reason})", flush=True)
+            m.update(self.budget_window.at_boundary(decision.budget, self.global_steps))
         return m, plan, signals
 
     def _apply_plan(self, plan, signals) -> dict[str, Any]:
