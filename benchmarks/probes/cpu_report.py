@@ -13,16 +13,16 @@ def at(t):
     return min(series, key=lambda s: abs(s[0] - t))[1]
 a, b = at(start), at(end)
 def group(pid):
-    cmd = names.get(pid, ""); comm = cmd
+    cmd = names.get(pid, "")
     if cmd.startswith("ray::"):
         return re.sub(r"[.:].*$", "", cmd[5:].split()[0])
-    if "EngineCore" in comm or "EngineCore" in cmd: return "vllm EngineCore"
+    if "EngineCore" in cmd: return "vllm EngineCore"
     if "env serve" in cmd or "verl-tide env" in cmd or "verl_tide.cli" in cmd: return "env service"
     if "main_ppo" in cmd: return "main_ppo driver"
     if "raylet" in cmd: return "raylet"
     if "gcs_server" in cmd: return "gcs_server"
     if "e2e_compare" in cmd or "e2e_ab" in cmd: return "benchmark"
-    return comm or cmd[:30]
+    return cmd[:30]
 tot = defaultdict(float)
 for pid, cb in b.items():
     ca = a.get(pid, 0.0)

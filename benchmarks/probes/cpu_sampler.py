@@ -1,5 +1,6 @@
-"""Beside a benchmark run (`run_cpu_every_part.sh`): every second, each process's cumulative CPU time (utime+stime) and current cmdline; the env service's
-first_start_unix (from its /health). Stops when OUT.stop exists."""
+"""Beside a benchmark run (`run_cpu_every_part.sh`): every second, each process's cumulative CPU time
+(utime+stime) and current cmdline, and the environment service's first_start_unix (its /health, the run's clock
+zero). Writes OUT when OUT.stop exists."""
 import json, os, re, sys, time, urllib.request
 out = sys.argv[1]
 tick = os.sysconf("SC_CLK_TCK")

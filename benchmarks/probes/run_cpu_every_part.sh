@@ -11,4 +11,3 @@ for pair in "stock1t2r|verl separate_async 1T/2R" "tide|tide"; do
   .venv/bin/python benchmarks/e2e_compare.py --preset every_part --only "$sys" --workdir /tmp/probe/w_$slug --json /tmp/probe/$slug.json > /tmp/probe/$slug.out 2>&1
   touch /tmp/probe/$slug.cpu.json.stop; wait $sp
 done
-echo done > /tmp/probe/ALLDONE2
