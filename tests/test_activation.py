@@ -64,13 +64,16 @@ def test_tide_enabled_selects_trainer_and_adds_subtree_only(tmp_path, stock_job_
     stock = _job(stock_job_output)
     stock["trainer"]["v1"]["trainer_mode"] = "tide"
     # The only other verl keys it sets: the one-node weight-sync backend becomes importable (used only if
-    # selected), vLLM stats logging goes on (CTB reads KV capacity and hit rates from /metrics), and the
-    # default agent loop is verl's single-turn loop wrapped to tell CTB when a trajectory ends.
+    # selected), vLLM stats logging goes on (CTB reads KV capacity and hit rates from /metrics), the default
+    # agent loop is verl's single-turn loop wrapped to tell CTB when a trajectory ends, and the agent-loop manager.
     rollout = stock["actor_rollout_ref"]["rollout"]
     rollout["checkpoint_engine"]["custom_backend_module"] = "verl_tide.weight_sync"
     rollout["disable_log_stats"] = False
     assert rollout["agent"]["default_agent_loop"] == "single_turn_agent"
     rollout["agent"]["default_agent_loop"] = "tide_single_turn_agent"  # the same loop, its end told to CTB
+    # verl's TransferQueue manager, its dispatch not waiting on the agent-loop workers (trainer/dispatch.py)
+    assert rollout["agent"].get("agent_loop_manager_class") is None
+    rollout["agent"]["agent_loop_manager_class"] = "verl_tide.trainer.dispatch.TideAgentLoopManager"
     assert job == stock  # nothing else of verl's config changed
 
 

@@ -27,6 +27,18 @@ def test_grows_while_work_waits_for_budget_up_to_the_cap():
     assert seen == [2.0, 4.0, 4.0, 4.0]
 
 
+def test_grows_to_the_factor_that_would_have_kept_the_engines_busy_when_that_is_more_than_double():
+    """The budget let the engines run a quarter of the time: four times the work fills them, in one decision
+    (a cold start at Alg. 1's budget, where x2 a decision took several decisions to get there)."""
+    w = BudgetWindow(8.0)
+    d = _decide(w, 1.0, kv_bound=0.9, utilization=0.25)
+    assert d.factor == 4.0 and "nothing in flight 75%" in d.reason
+    assert _decide(w, 2.0, kv_bound=0.9, utilization=0.3).factor == 6.67
+    assert _decide(w, 4.0, kv_bound=0.9, utilization=0.25).factor == 8.0  # the ceiling bounds it
+    assert _decide(w, 1.0, kv_bound=0.9, utilization=0.0).factor == 8.0  # nothing ran: straight to the ceiling
+    assert _decide(w, 1.0, kv_bound=0.9, utilization=0.8).factor == 2.0  # x2 where that is more
+
+
 @pytest.mark.parametrize("kv_bound, hit, utilization, why", [
     (0.1, 0.5, 0.6, "keep: waited 10%"), (None, 0.5, 0.6, "not measured"), (0.8, None, 0.6, "not measured"),
     (0.8, 0.5, None, "utilization not measured"),

@@ -8,7 +8,8 @@ most of the rollout's time, and the same job with an unbounded budget recovered 
 (`docs/ctb.md`); the engine's own queue and preemption are cheap when a re-prefill is. So the budget reaches
 past KV capacity as long as that costs nothing measurable, in the manner of a congestion window:
 
-- grow (x2, up to a ceiling, at first `max_budget_factor`) while work waited for budget at least
+- grow (x2, or to factor / utilization where that is more, up to a ceiling, at first `max_budget_factor`) while
+  work waited for budget at least
   `GROW_KV_BOUND` of the rollout's working time and the engines had nothing in flight at least
   1 - `GROW_MAX_UTILIZATION` of it (the budget idled them: the waste the window is for), and the engines'
   prefix-cache hit rate is known (the cost signal below needs it). Without the idle engines, work waiting for
@@ -97,8 +98,15 @@ class BudgetWindow:
         if utilization is None:
             return BudgetDecision(factor, "keep: the engines' utilization not measured")
         if kv_bound >= GROW_KV_BOUND and factor < self.ceiling and utilization <= GROW_MAX_UTILIZATION:
-            return BudgetDecision(min(self.ceiling, factor * 2),
+            return BudgetDecision(self._grown(factor, utilization),
                                   f"grow: work waited for budget {kv_bound:.0%} of the time while the engines had "
                                   f"nothing in flight {1 - utilization:.0%} of it, hit rate {hit:.2f}")
         return BudgetDecision(factor, f"keep: waited {kv_bound:.0%} of the time, engines busy {utilization:.0%}, "
                                       f"hit rate {hit:.2f}")
+
+    def _grown(self, factor: float, utilization: float) -> float:
+        """x2, or to the factor that would have kept the engines busy (factor / utilization) where that is more:
+        the budget let them run `utilization` of the time, so that many times the work fills them."""
+        if utilization <= 0:
+            return self.ceiling
+        return min(self.ceiling, max(factor * 2, round(factor / utilization, 2)))

@@ -125,8 +125,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             poll_interval=self.tide_config.sample_poll_s,
         )
         buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
-        buffer.while_waiting = lambda: (self.budget_window.while_waiting(self.global_steps, self.quarantined)
-                                        if getattr(self, "budget_window", None) is not None else None)
+        buffer.while_waiting = self._while_waiting_for_data
         if self.tide_config.ctb.enabled:
             # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
             buffer.finish_times = lambda uids: (self.report.group_finish_times(uids, self.clock)
@@ -242,6 +241,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         n = super()._submit_batch_to_rollout(batch)
         self.ledger.groups_submitted(n)
         return n
+
+    def _while_waiting_for_data(self) -> None:
+        """At each look for ready data that found too little: a batch whose dispatch failed never becomes ready
+        (`trainer/dispatch.py`), and CTB's budget window decides while the trainer waits."""
+        raise_dispatch_errors = getattr(getattr(self, "agent_loop_manager", None), "raise_dispatch_errors", None)
+        if raise_dispatch_errors is not None:
+            raise_dispatch_errors()
+        if getattr(self, "budget_window", None) is not None:
+            self.budget_window.while_waiting(self.global_steps, self.quarantined)
 
     # ---- evaluation --------------------------------------------------------------------------
     def _validate(self):
