@@ -74,12 +74,15 @@ def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_a
     from dataclasses import replace
 
     job = replace(_job(3), use_kl_loss=True)
-    ran = systems(job, tide_rollout_gpus=2)
-    # lending is off by default with a Ref model; asked for, it runs beside verl's Ref
-    assert [s.name for s in ran if s.name.startswith("tide")] == ["tide", "tide, tide.ers.lend_actor=true"]
-    assert set(ran[-1].overrides) - set(ran[-2].overrides) == {"tide.ers.lend_actor=true"}
-    keys = dict(o.split("=", 1) for o in ran[-2].overrides)
-    assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == "2" and keys["trainer.n_gpus_per_node"] == "1"
+    ran = {s.name: s for s in systems(job, tide_rollout_gpus=2)}
+    # lending is off by default with a Ref model; asked for, it runs beside verl's Ref; tide at the other split too
+    assert [n for n in ran if n.startswith("tide")] == ["tide", "tide 2T/1R", "tide, tide.ers.lend_actor=true"]
+    assert set(ran["tide, tide.ers.lend_actor=true"].overrides) - set(ran["tide"].overrides) == \
+        {"tide.ers.lend_actor=true"}
+    for name, rollout, trainer in (("tide", "2", "1"), ("tide 2T/1R", "1", "2")):
+        keys = dict(o.split("=", 1) for o in ran[name].overrides)
+        assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == rollout and keys["trainer.n_gpus_per_node"] == trainer
+        assert "+tide=enabled" in ran[name].overrides and ran[name].rollout_gpus == int(rollout)
 
 
 def test_mechanisms_say_what_acted_over_a_run():

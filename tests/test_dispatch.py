@@ -5,6 +5,7 @@ with a failed dispatch still raised. Real Ray actors stand in for verl's agent-l
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -25,7 +26,7 @@ def _manager(workers):
     from verl_tide.trainer.dispatch import TideAgentLoopManager
 
     manager = TideAgentLoopManager.__new__(TideAgentLoopManager)  # verl's __init__ builds real workers
-    manager._dispatched, manager.agent_loop_workers = [], workers
+    manager._dispatched, manager._lock, manager.agent_loop_workers = [], threading.Lock(), workers
     return manager
 
 

@@ -146,6 +146,18 @@ def test_step_metrics_survive_a_line_ray_split_in_two():
     steps = parse_step_metrics(output)
     assert steps == {12: {"a": 1.0, "b": 2.5}, 13: {"a": 3.0, "b": 4.0, "training/global_step": 13.0,
                                                          "c": 5.0}}
+    # cut mid-separator, its rest after other processes' lines and tqdm's bar (as Ray forwarded step 4, 2026-12-04)
+    output = "\n".join([
+        prefix + "step:4 - a:1.0 - b:2.0 -",
+        "\x1b[36m(SimpleStorageUnit pid=11995)\x1b[0m 2026-12-04 14:24:40,189 - WARNING - x",
+        prefix,
+        "Training Progress:  67%|######   | 4/6 [00:35<00:13,  6.68s/it]",
+        prefix + " c:3.0 - d:np.float64(4.0)",
+        prefix + "step:5 - a:5.0",
+        "\x1b[36m(SimpleStorageUnit pid=11995)\x1b[0m - e:9.0",  # another process's line: not step 5's
+        prefix + " f:7.0",  # step 5's line was whole: a line of its own
+    ])
+    assert parse_step_metrics(output) == {4: {"a": 1.0, "b": 2.0, "c": 3.0, "d": 4.0}, 5: {"a": 5.0}}
 
 
 def test_a_timed_out_job_is_killed_with_every_process_it_started_and_no_other():

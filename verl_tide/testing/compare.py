@@ -81,7 +81,8 @@ def fast_poll_overrides(trainer_mode: str) -> tuple[str, ...]:
 def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
-    `tide_rollout_gpus` of them (and, lending by default, the Actor's too; without a Ref model, tide without
+    `tide_rollout_gpus` of them, and is also run at every other split, as stock `separate_async` is (and, lending
+    by default, the Actor's too; without a Ref model, tide without
     lending is run beside it; with one, tide with lending asked for beside verl's Ref). `attribution`: also
     tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`) and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
     tide's number its faster look at TransferQueue is."""
@@ -111,6 +112,10 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
     lends, _ = resolve_lend_actor("auto", has_ref_model=job.use_kl_loss, hybrid_engine=True)  # trainer tide's rule
     tide_gpus = job.n_gpus if lends else tide_rollout_gpus
     out.append(System("tide", tide, tide_gpus))
+    for rollout in (r for r in range(1, job.n_gpus) if r != tide_rollout_gpus):  # tide at the other splits too
+        out.append(System(f"tide {job.n_gpus - rollout}T/{rollout}R",
+                          (*tide_overrides(job, rollout_gpus=rollout, lend_actor=None),
+                           f"tide.max_staleness={max_staleness}"), job.n_gpus if lends else rollout))
     if attribution:
         out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_gpus))
         out.append(System(f"{WHAT_IF}verl sync, 0.2 s poll", fast_poll_overrides("sync"), job.n_gpus))

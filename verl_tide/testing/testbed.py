@@ -321,21 +321,30 @@ _RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)]*\)(?:\x1b\[0m)?\s?")
 def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
     """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only).
 
-    Ray's log forwarding can split one long line: a line whose text (after Ray's `(Actor pid=...)` prefix)
-    starts with `- ` continues the step line before it (seen once in 24 steps of 6 kB metrics lines; the
-    continuation held `.../global_step:13 - `, which a search anywhere in the line took for a new step line)."""
+    Ray's log forwarding can split one long line: a line of the same process whose text (after Ray's
+    `(Actor pid=...)` prefix) starts with `- ` continues the step line before it (seen once in 24 steps of 6 kB
+    metrics lines; the continuation held `.../global_step:13 - `, which a search anywhere in the line took for a
+    new step line); so does any line of that process while the step line ends mid-separator (` -`), with other
+    processes' lines and tqdm's progress bar in between (seen 2026-12-04: step 4's line cut after 924 characters,
+    its rest 10 lines on)."""
     texts: dict[int, str] = {}
     last: Optional[int] = None
+    last_prefix = ""
     for line in output.splitlines():
-        rest = _RAY_PREFIX.sub("", line)
+        prefix_match = _RAY_PREFIX.match(line)
+        prefix = prefix_match.group(0) if prefix_match else ""
+        rest = line[len(prefix):]
         m = _STEP_LINE.match(rest)  # at the start: a metric such as `training/global_step:13 - ` is no step line
         if m:
-            last = int(m.group(1))
+            last, last_prefix = int(m.group(1)), prefix
             texts[last] = m.group(2)
             continue
-        if last is not None and rest.startswith("- "):
-            texts[last] = texts[last].rstrip() + " " + rest
-        else:
+        if last is None:
+            continue
+        cut = texts[last].rstrip().endswith(" -")
+        if prefix == last_prefix and (rest.startswith("- ") or cut):
+            texts[last] = texts[last].rstrip() + " " + rest.strip()
+        elif prefix == last_prefix or not cut:
             last = None
     steps: dict[int, dict[str, float]] = {}
     for n, text in texts.items():

@@ -13,6 +13,7 @@ Selected by `+tide=enabled` through verl's own key, `actor_rollout_ref.rollout.a
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import ray
@@ -25,20 +26,23 @@ class TideAgentLoopManager(AgentLoopManagerTQ):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._dispatched: list[Any] = []  # refs of the workers' `generate_sequences` calls not yet seen to return
+        self._lock = threading.Lock()  # tide's overlapped evaluation dispatches from a thread of its own
 
     def generate_sequences(self, prompts: Any) -> None:
         """verl's dispatch (the batch split over the agent-loop workers), without the wait for their answers."""
         self.raise_dispatch_errors()
         workers = reach(self, "agent_loop_workers", "the agent-loop worker handles verl dispatches batches to")
-        chunks = prompts.chunk(len(workers))
-        self._dispatched += [worker.generate_sequences.remote(chunk)
-                             for worker, chunk in zip(workers, chunks, strict=False)]
+        refs = [worker.generate_sequences.remote(chunk) for worker, chunk in zip(workers, prompts.chunk(len(workers)),
+                                                                                  strict=False)]
+        with self._lock:
+            self._dispatched += refs
 
     def raise_dispatch_errors(self) -> None:
         """Raise the error of a dispatch that failed (its batch never runs); forget those that returned."""
-        if not self._dispatched:
-            return
-        done, self._dispatched = ray.wait(self._dispatched, num_returns=len(self._dispatched), timeout=0)
+        with self._lock:
+            if not self._dispatched:
+                return
+            done, self._dispatched = ray.wait(self._dispatched, num_returns=len(self._dispatched), timeout=0)
         ray.get(done)
 
     def pending_dispatches(self) -> int:
