@@ -81,7 +81,8 @@ def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_a
         {"tide.ers.lend_actor=true"}
     for name, rollout, trainer in (("tide", "2", "1"), ("tide 2T/1R", "1", "2")):
         keys = dict(o.split("=", 1) for o in ran[name].overrides)
-        assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == rollout and keys["trainer.n_gpus_per_node"] == trainer
+        assert keys["actor_rollout_ref.rollout.n_gpus_per_node"] == rollout
+        assert keys["trainer.n_gpus_per_node"] == trainer
         assert "+tide=enabled" in ran[name].overrides and ran[name].rollout_gpus == int(rollout)
 
 

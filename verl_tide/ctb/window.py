@@ -9,11 +9,10 @@ most of the rollout's time, and the same job with an unbounded budget recovered 
 past KV capacity as long as that costs nothing measurable, in the manner of a congestion window:
 
 - grow (x2, or to factor / utilization where that is more, up to a ceiling, at first `max_budget_factor`) while
-  work waited for budget at least
-  `GROW_KV_BOUND` of the rollout's working time and the engines had nothing in flight at least
-  1 - `GROW_MAX_UTILIZATION` of it (the budget idled them: the waste the window is for), and the engines'
-  prefix-cache hit rate is known (the cost signal below needs it). Without the idle engines, work waiting for
-  budget is Alg. 1 doing its job: a KV-bound rollout whose engines are busy. In the simulator (2026-12-03,
+  work waited for budget at least `GROW_KV_BOUND` of the rollout's working time and the engines had nothing in
+  flight at least 1 - `GROW_MAX_UTILIZATION` of it (the budget idled them: the waste the window is for), and the
+  engines' prefix-cache hit rate is known (the cost signal below needs it). Without the idle engines, work
+  waiting for budget is Alg. 1 doing its job: a KV-bound rollout whose engines are busy. In the simulator (2026-12-03,
   eleventh session) the previous form of this rule, which read the wait alone, grew there and cost up to 32%
   goodput at rollout-starved splits (ALFWorld at a 0.125 rollout ratio);
 - shrink (/2, down to 1) when the hit rate fell `HIT_DROP` below what it was at the fixed budget: the tasks let

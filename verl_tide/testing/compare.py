@@ -82,10 +82,10 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             attribution: bool = False) -> list[System]:
     """Every system the comparison runs for `job` (`job.n_gpus` fake GPUs in all); tide rolls out on
     `tide_rollout_gpus` of them, and is also run at every other split, as stock `separate_async` is (and, lending
-    by default, the Actor's too; without a Ref model, tide without
-    lending is run beside it; with one, tide with lending asked for beside verl's Ref). `attribution`: also
-    tide with verl's 2 s sampler poll (`tide.sample_poll_s=2`) and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom sampler), to say how much of
-    tide's number its faster look at TransferQueue is."""
+    by default, the Actor's too; without a Ref model, tide without lending is run beside it; with one, tide with
+    lending asked for beside verl's Ref). `attribution`: also tide with verl's 2 s sampler poll
+    (`tide.sample_poll_s=2`) and the what-ifs `sync` and `colocate_async` with tide's 0.2 s poll (a custom
+    sampler), to say how much of tide's number its faster look at TransferQueue is."""
     # one staleness bound for all: verl's threshold counts versions spanned, tide's bound versions of lag
     sync_every_step = f"trainer.v1.sampler.max_off_policy_threshold={off_policy_threshold(max_staleness)}"
     colocate = ("trainer.v1.trainer_mode=colocate_async", sync_every_step)
