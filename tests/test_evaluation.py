@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from verl_tide.core.request_ids import EVAL_FIELD
-from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation
+from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, overlapped_evaluation
 
 
 class _Trainer:
@@ -65,3 +65,16 @@ def test_validation_prompts_carry_the_evaluation_column():
     batches = list(marked)
     assert len(marked) == 2
     assert [list(b[EVAL_FIELD]) for b in batches] == [[True, True], [True]]
+
+
+def test_evaluation_overlaps_only_when_wanted_and_rewards_run_on_reward_workers(capsys):
+    asked = []
+
+    def workers(handles):
+        return lambda: asked.append(1) or handles
+
+    args = (lambda view: {}, lambda: 0.0, lambda: None)
+    assert overlapped_evaluation(False, workers(["w"]), *args) is None and not asked  # not even asked
+    assert overlapped_evaluation(True, workers(None), *args) is None
+    assert "reward.num_workers = 0" in capsys.readouterr().out
+    assert isinstance(overlapped_evaluation(True, workers(["w"]), *args), OverlappedEvaluation)

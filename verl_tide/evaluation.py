@@ -96,6 +96,21 @@ class OverlappedEvaluation:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def overlapped_evaluation(wanted: bool, reward_workers: Callable[[], Any], validate: Callable[[Any], dict],
+                          clock: Callable[[], float], make_buffer: Callable[[], Any]) -> Optional[OverlappedEvaluation]:
+    """The evaluation to overlap with training, or None: not `wanted` (`tide.overlap_eval` off or no
+    `trainer.test_freq`), or no reward workers (said why: verl's validation puts the trainer's GPUs to sleep, and
+    rewards computed there with them)."""
+    if not wanted:
+        return None
+    if reward_workers() is None:
+        print("verl-tide: evaluation is not overlapped: rewards are computed on the trainer's GPUs "
+              "(reward.num_workers = 0), which verl's validation puts to sleep; set reward workers to overlap",
+              flush=True)
+        return None
+    return OverlappedEvaluation(validate=validate, make_buffer=make_buffer, clock=clock)
+
+
 def validation_buffer(config: Any, trainer_mode: str) -> Any:
     """A verl replay buffer for the `val` partition only (evaluation never evicts; no refills)."""
     from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync

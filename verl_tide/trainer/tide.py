@@ -33,7 +33,7 @@ from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.policy import Phase, Role
-from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, validation_buffer
+from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, overlapped_evaluation, validation_buffer
 from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
@@ -281,16 +281,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if self.tide_config.ctb.enabled and self.planner.window is not None:
             self.budget_window = BudgetWindowReader(self.report, self.planner, self.clock)
             self.budget_window.mark(clocks, self.report.engine_scrapes)
-        if not self.tide_config.overlap_eval or self.config.trainer.test_freq <= 0:
-            return
-        if verl_compat.reward_workers(self) is None:
-            print("verl-tide: evaluation is not overlapped: rewards are computed on the trainer's GPUs "
-                  "(reward.num_workers = 0), which verl's validation puts to sleep; set reward workers to overlap",
-                  flush=True)
-            return
-        self.overlapped_eval = OverlappedEvaluation(
-            validate=verl_compat.blocking_validate, clock=self.clock,
-            make_buffer=lambda: validation_buffer(self.config, self.trainer_mode))
+        wanted = self.tide_config.overlap_eval and self.config.trainer.test_freq > 0
+        self.overlapped_eval = overlapped_evaluation(
+            wanted, lambda: verl_compat.reward_workers(self), verl_compat.blocking_validate, self.clock,
+            lambda: validation_buffer(self.config, self.trainer_mode))
 
     def on_step_begin(self):
         self.health.check(self.rollout_roles)
