@@ -107,15 +107,16 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
                               rollout))
     # tide as a user gets it: `+tide=enabled` with its defaults (tide.ers.lend_actor=auto: the Actor's GPUs roll
     # out as ERS decides, unless the job has a Ref model)
-    tide = (*tide_overrides(job, rollout_gpus=tide_rollout_gpus, lend_actor=None),
-            f"tide.max_staleness={max_staleness}")
+    def tide_at(rollout: int) -> tuple[str, ...]:
+        return (*tide_overrides(job, rollout_gpus=rollout, lend_actor=None), f"tide.max_staleness={max_staleness}")
+
+    tide = tide_at(tide_rollout_gpus)
     lends, _ = resolve_lend_actor("auto", has_ref_model=job.use_kl_loss, hybrid_engine=True)  # trainer tide's rule
     tide_gpus = job.n_gpus if lends else tide_rollout_gpus
     out.append(System("tide", tide, tide_gpus))
     for rollout in (r for r in range(1, job.n_gpus) if r != tide_rollout_gpus):  # tide at the other splits too
-        out.append(System(f"tide {job.n_gpus - rollout}T/{rollout}R",
-                          (*tide_overrides(job, rollout_gpus=rollout, lend_actor=None),
-                           f"tide.max_staleness={max_staleness}"), job.n_gpus if lends else rollout))
+        out.append(System(f"tide {job.n_gpus - rollout}T/{rollout}R", tide_at(rollout),
+                          job.n_gpus if lends else rollout))
     if attribution:
         out.append(System(POLL_AS_VERL, (*tide, "tide.sample_poll_s=2.0"), tide_gpus))
         out.append(System(f"{WHAT_IF}verl sync, 0.2 s poll", fast_poll_overrides("sync"), job.n_gpus))
