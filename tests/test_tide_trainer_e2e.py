@@ -491,7 +491,9 @@ def test_checkpoint_and_resume_continue_the_step_and_the_ledger(verl_ref_run, tm
     assert restored, second.output[-3000:]
     # saved with the checkpoint, just before the last step's metrics were read
     assert 0 < int(restored.group(1)) <= last["tide/ctb/admissions"]
-    assert m["tide/ctb/admissions"] > int(restored.group(1))
+    # not reset to zero (4 groups a step admit far fewer than the restored count); the step may end before the
+    # re-issued groups are admitted (tide's dispatch returns at once and this step trains restored groups)
+    assert m["tide/ctb/admissions"] >= int(restored.group(1))
     # the ledger continued: 4 groups a step
     assert m["tide/ledger/groups_consumed"] == 4 * (STEPS + 1)
     # (This step trained on groups restored from the checkpoint; the re-issued ones were still running.)
@@ -587,7 +589,7 @@ def test_a_rollout_rank_killed_mid_run_is_quarantined_relaunched_and_no_task_is_
                            on_line=kill_one_rollout_server_and_hold_the_env)
         give_up.cancel()
         env.open.set()
-    assert killed, "the run never reached step 1"
+    assert killed, f"the run never reached step 1 (exit {run.returncode}): " + run.output[-6000:]
     assert run.returncode == 0, run.output[-6000:]
     assert held_until_up, "the relaunched server never came up: " + run.output[-4000:]
     steps = parse_step_metrics(run.output)
