@@ -155,11 +155,14 @@ def print_timeline(finished: dict[str, dict]) -> None:
     phases = [p for p in ("between steps", *STEP_PHASES, "other in step", "testing")
               if any(finished[n]["timeline"]["phase_totals_s"].get(p) for n in names)]
     print(f"\nwhere the clock went (s, verl's timing_s laid out in its order; engines: share of polls running, "
-          f"mean running, tokens/s)\n{'system':>44} | " + " | ".join(f"{p[:12]:>12}" for p in phases) + " | engines")
+          f"mean running, tokens/s; prefix-cache hit rate pooled)\n{'system':>44} | "
+          + " | ".join(f"{p[:12]:>12}" for p in phases) + " | engines")
     for n in names:
         t = finished[n]["timeline"]
         engines = "; ".join(f"{e['busy_share']:.0%} {e['mean_running']:.1f} {e['tokens_per_s']:.0f}"
                             for e in t["engines"].values())
+        hit = t.get("prefix_cache_hit_rate")
+        engines += f"; hit {hit:.1%}" if hit is not None else "; hit -"
         print(f"{n:>44} | " + " | ".join(f"{t['phase_totals_s'].get(p, 0.0):>12.2f}" for p in phases)
               + f" | {engines}")
 

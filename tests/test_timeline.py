@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from verl_tide.testing.timeline import (EnginePoller, engine_addresses, engine_load, phase_totals,
-                                        trainer_phases)
+                                        pooled_engine_hit_rate, trainer_phases)
 
 
 def test_phases_fill_each_step_in_verls_order_and_account_for_every_second():
@@ -45,14 +45,23 @@ def test_engine_addresses_come_from_verls_line_only():
 
 def test_engine_load_over_the_clock_window():
     zero = 50.0
-    series = [(zero - 1.0, {"running": 5.0, "waiting": 0.0, "kv_usage": 0.0, "generated": 0.0})]  # before: left out
+    series = [(zero - 1.0, {"running": 5.0, "waiting": 0.0, "kv_usage": 0.0, "generated": 0.0,
+                            "prefix_queried": 0.0, "prefix_hits": 0.0})]  # before: left out
     for i in range(5):
-        series.append((zero + i, {"running": float(i % 2), "waiting": 1.0, "kv_usage": 0.5, "generated": 10.0 * i}))
-    load = engine_load({"a:1": series}, zero, end=4.0)["a:1"]
+        series.append((zero + i, {"running": float(i % 2), "waiting": 1.0, "kv_usage": 0.5, "generated": 10.0 * i,
+                                  "prefix_queried": 100.0 + 50.0 * i, "prefix_hits": 90.0 + 10.0 * i}))
+    idle = [(zero + i, {**series[1][1], "running": 0.0}) for i in range(3)]  # nothing queried: no hit rate
+    loads = engine_load({"a:1": series, "b:2": idle}, zero, end=4.0)
+    load = loads["a:1"]
     assert load["busy_share"] == pytest.approx(2 / 5)
     assert load["mean_running"] == pytest.approx(0.4) and load["mean_waiting"] == 1.0
     assert load["tokens_per_s"] == pytest.approx(10.0)
     assert len(load["series"]) == 5
+    # from the window's first poll to its last (the 90 hits before the clock's zero are not this run's)
+    assert load["prefix_cache_hit_rate"] == pytest.approx(40 / 200)
+    assert loads["b:2"]["prefix_cache_hit_rate"] is None
+    assert pooled_engine_hit_rate(loads) == pytest.approx(40 / 200)
+    assert pooled_engine_hit_rate({}) is None
 
 
 class _Metrics(BaseHTTPRequestHandler):

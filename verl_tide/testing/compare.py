@@ -197,12 +197,13 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
 def run_timeline(timed_lines: list[tuple[float, str]], first_request_unix: float, wall_s: float,
                  engine_samples: dict) -> dict:
     """The trainer's phases per step and over the run, and each engine's load, on the run's clock."""
-    from verl_tide.testing.timeline import engine_load, phase_totals, trainer_phases
+    from verl_tide.testing.timeline import engine_load, phase_totals, pooled_engine_hit_rate, trainer_phases
 
     arrivals, steps = _step_lines(timed_lines)
     phases = trainer_phases(steps, arrivals, first_request_unix)
-    return {"trainer": phases, "phase_totals_s": phase_totals(phases),
-            "engines": engine_load(engine_samples, first_request_unix, wall_s)}
+    engines = engine_load(engine_samples, first_request_unix, wall_s)
+    return {"trainer": phases, "phase_totals_s": phase_totals(phases), "engines": engines,
+            "prefix_cache_hit_rate": pooled_engine_hit_rate(engines)}
 
 
 def _step_lines(timed_lines: list[tuple[float, str]]) -> tuple[dict[int, float], dict[int, dict[str, float]]]:

@@ -33,7 +33,8 @@ STEP_PHASES = ("switch_to_trainer", "switch_wait", "gen", "reward", "old_log_pro
 ROLLOUT_WAIT_PHASES = ("switch_wait", "gen")  # the trainer waiting for (or, in sync, running) the rollout
 _SERVERS = re.compile(r"LLMServerManager: (\[[^\]]*\])")
 _VLLM = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
-         "kv_usage": "vllm:kv_cache_usage_perc", "generated": "vllm:generation_tokens_total"}
+         "kv_usage": "vllm:kv_cache_usage_perc", "generated": "vllm:generation_tokens_total",
+         "prefix_queried": "vllm:prefix_cache_queries_total", "prefix_hits": "vllm:prefix_cache_hits_total"}
 
 
 def engine_addresses(line: str) -> list[str]:
@@ -137,7 +138,8 @@ def phase_totals(phases: list[dict]) -> dict[str, float]:
 def engine_load(samples: dict[str, list[tuple[float, dict[str, float]]]], zero: float,
                 end: float) -> dict[str, dict]:
     """Per engine over [zero, zero + end]: the share of polls with a request running, mean requests running and
-    waiting, mean KV use, tokens generated per second, and the series for the plot."""
+    waiting, mean KV use, tokens generated per second, the prefix-cache hit rate (prompt tokens served from the
+    cache / prompt tokens queried; None when none was queried), and the series for the plot."""
     out = {}
     for address, series in samples.items():
         window = [(t - zero, s) for t, s in series if 0.0 <= t - zero <= end]
@@ -146,15 +148,28 @@ def engine_load(samples: dict[str, list[tuple[float, dict[str, float]]]], zero: 
         n = len(window)
         generated = window[-1][1]["generated"] - window[0][1]["generated"]
         span = window[-1][0] - window[0][0]
+        queried = window[-1][1]["prefix_queried"] - window[0][1]["prefix_queried"]
         out[address] = {
             "busy_share": sum(1 for _, s in window if s["running"] > 0) / n,
             "mean_running": sum(s["running"] for _, s in window) / n,
             "mean_waiting": sum(s["waiting"] for _, s in window) / n,
             "mean_kv_usage": sum(s["kv_usage"] for _, s in window) / n,
             "tokens_per_s": generated / span if span > 0 else 0.0,
+            "prefix_queried_tokens": queried,
+            "prefix_cache_hit_rate": (window[-1][1]["prefix_hits"] - window[0][1]["prefix_hits"]) / queried
+            if queried > 0 else None,
             "series": [(round(t, 3), s["running"], s["waiting"], round(s["kv_usage"], 4)) for t, s in window],
         }
     return out
+
+
+def pooled_engine_hit_rate(load: dict[str, dict]) -> float | None:
+    """`engine_load`'s engines' prefix-cache hit rate, prompt tokens pooled (the same number for every system:
+    stock verl reports none of its own)."""
+    queried = sum(e["prefix_queried_tokens"] for e in load.values())
+    hits = sum(e["prefix_cache_hit_rate"] * e["prefix_queried_tokens"] for e in load.values()
+               if e["prefix_cache_hit_rate"] is not None)
+    return hits / queried if queried > 0 else None
 
 
 PHASE_COLOURS = {"gen": "tab:red", "switch_wait": "tab:orange", "old_log_prob": "tab:blue", "ref": "tab:olive",
