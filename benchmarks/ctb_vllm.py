@@ -91,7 +91,7 @@ def plan_tasks(w: Workload, vocab: int, salt: int) -> list[TaskPlan]:
 
 # ---- engine -------------------------------------------------------------------------------------
 def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log: Path,
-               dtype: str = "float32", threads: int = 0) -> subprocess.Popen:
+               dtype: str = "float32", threads: int = 0, extra_args: tuple[str, ...] = ()) -> subprocess.Popen:
     # Engines share the machine's cores: more OpenMP threads than cores makes every engine spin-wait on the others
     threads = threads or max(1, os.cpu_count() or 1)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -99,7 +99,7 @@ def start_vllm(model: Path, port: int, num_blocks: int, max_model_len: int, log:
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--num-gpu-blocks-override", str(num_blocks), "--max-model-len", str(max_model_len),
-           "--enable-prefix-caching", "--dtype", dtype, "--max-num-seqs", "64", "--seed", "0"]
+           "--enable-prefix-caching", "--dtype", dtype, "--max-num-seqs", "64", "--seed", "0", *extra_args]
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
