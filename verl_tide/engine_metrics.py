@@ -13,11 +13,11 @@ from typing import Optional
 from prometheus_client.parser import text_string_to_metric_families
 
 # Per backend: (prefix-cache queried-token counter, hit-token counter, preemption counter).
-_PREFIX_COUNTERS = {
+PREFIX_COUNTERS = {
     "vllm": ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions"),
     "sglang": ("sglang:prompt_tokens", "sglang:cached_tokens", None),
 }
-BACKENDS = tuple(_PREFIX_COUNTERS)
+BACKENDS = tuple(PREFIX_COUNTERS)
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class EngineMetrics:
 
     @classmethod
     def parse(cls, text: str, backend: str) -> EngineMetrics:
-        if backend not in _PREFIX_COUNTERS:
+        if backend not in PREFIX_COUNTERS:
             raise ValueError(f"backend = {backend!r}: must be one of {' | '.join(BACKENDS)}")
         samples: dict[str, float] = {}
         labels: dict[str, dict[str, str]] = {}
@@ -41,7 +41,7 @@ class EngineMetrics:
             for s in family.samples:
                 samples[s.name] = samples.get(s.name, 0.0) + s.value  # summed over label sets (ranks)
                 labels.setdefault(s.name, dict(s.labels))
-        queried, hits, preempt = _PREFIX_COUNTERS[backend]
+        queried, hits, preempt = PREFIX_COUNTERS[backend]
 
         def counter(name: Optional[str]) -> Optional[float]:
             if name is None:

@@ -104,9 +104,9 @@ def main() -> int:
         try:
             wait_ready(url, proc)
             phase(url, model, 0.0, argparse.Namespace(**{**vars(args), "seconds": 5.0}))  # warm-up
+            phases = intervals if name == "stats_on" else [0.0]  # stats off: nothing to read
             for r in range(args.rounds):
-                order = intervals if r % 2 == 0 or name == "stats_off" else list(reversed(intervals))
-                for interval in (order if name == "stats_on" else [0.0]):
+                for interval in (phases if r % 2 == 0 else list(reversed(phases))):
                     row = phase(url, model, interval, args)
                     results[name].append(row)
                     read = f"{row['read_s_mean'] * 1000:.1f} ms/read" if row["read_s_mean"] else ""

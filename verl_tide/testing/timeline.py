@@ -25,6 +25,8 @@ import time
 import urllib.request
 from typing import Optional
 
+from verl_tide.engine_metrics import PREFIX_COUNTERS
+
 # verl 0.9.1's fit loop, in order: inside `timing_s/step`, then evaluation after it.
 STEP_PHASES = ("switch_to_trainer", "switch_wait", "gen", "reward", "old_log_prob", "ref", "values", "adv",
                "update_critic", "update_actor", "save_checkpoint",
@@ -34,7 +36,8 @@ ROLLOUT_WAIT_PHASES = ("switch_wait", "gen")  # the trainer waiting for (or, in 
 _SERVERS = re.compile(r"LLMServerManager: (\[[^\]]*\])")
 _VLLM = {"running": "vllm:num_requests_running", "waiting": "vllm:num_requests_waiting",
          "kv_usage": "vllm:kv_cache_usage_perc", "generated": "vllm:generation_tokens_total",
-         "prefix_queried": "vllm:prefix_cache_queries_total", "prefix_hits": "vllm:prefix_cache_hits_total"}
+         # the prefix-cache counters CTB reads (`engine_metrics.py`), as the parser names counter samples
+         "prefix_queried": PREFIX_COUNTERS["vllm"][0] + "_total", "prefix_hits": PREFIX_COUNTERS["vllm"][1] + "_total"}
 
 
 def engine_addresses(line: str) -> list[str]:
