@@ -36,6 +36,9 @@ def _worker_cls(ray):
         """An agent-loop worker whose event loop answers a dispatch only once `release` is called."""
 
         def __init__(self):
+            import tensordict  # noqa: F401  # verl's worker has these loaded; a cold import under load takes seconds
+            import torch  # noqa: F401
+
             self.released = False
             self.batches = []
 
@@ -62,16 +65,23 @@ def _batch(xs, bad=False):
     return TensorDict({"x": torch.tensor(xs), "bad": torch.tensor([bad] * len(xs))}, batch_size=[len(xs)])
 
 
-def _until(condition, timeout_s=30.0):
+def _until(condition, timeout_s=120.0):
+    """Poll as the trainer does; the bound is generous because the suite runs verl jobs beside this on 2 cores."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, "condition still false"
+        assert time.monotonic() < deadline, f"condition still false after {timeout_s:.0f} s"
         time.sleep(0.02)
+
+
+def _started(ray, workers):
+    """Wait for the actors' constructors, so the test times the dispatch, not a worker's start-up."""
+    ray.get([w.seen.remote() for w in workers])
+    return workers
 
 
 def test_dispatch_returns_before_the_workers_answer_and_splits_the_batch(ray_local):
     ray = ray_local
-    workers = [_worker_cls(ray).remote() for _ in range(2)]
+    workers = _started(ray, [_worker_cls(ray).remote() for _ in range(2)])
     manager = _manager(workers)
     manager.generate_sequences(_batch([1, 2, 3, 4]))
     assert manager.pending_dispatches() == 2  # verl's manager would still be waiting on both workers here
@@ -84,7 +94,7 @@ def test_dispatch_returns_before_the_workers_answer_and_splits_the_batch(ray_loc
 
 def test_a_failed_dispatch_raises_at_the_next_look(ray_local):
     ray = ray_local
-    worker = _worker_cls(ray).remote()
+    (worker,) = _started(ray, [_worker_cls(ray).remote()])
     manager = _manager([worker])
     manager.generate_sequences(_batch([5], bad=True))
     ray.get(worker.release.remote())
