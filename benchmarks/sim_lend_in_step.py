@@ -44,7 +44,7 @@ def measure(results: Path, name: str, steps, gpus: int) -> dict:
     w = load_workload(name)
     w = replace(w, steps=steps) if steps else w
     ratio = report["systems"]["tide_lend_actor"]["rollout_ratio"]
-    best_name = max(("verl_async_fixed", "streamrl_fixed"), key=lambda n: report["systems"][n]["goodput_tok_s"])
+    best_name = report["headline"]["best_stock"]
     fixed = report["systems"][best_name]
     sim = Simulation(w, gpus, SystemSpec("tide_lend_actor", rollout_ratio=ratio, routing="ctb", consume="ra2p",
                                          eval_blocks_trainer=False, elastic=True, lend_actor=True))
@@ -54,9 +54,9 @@ def measure(results: Path, name: str, steps, gpus: int) -> dict:
                          f"{report['systems']['tide_lend_actor']['goodput_tok_s']} in the bench JSON: regenerate it")
     round_trip = 2 * sim.costs.switch_s
     longer = [x for x in sim.actor_in_step_waits if x > round_trip]
-    return {"workload": name, "steps": w.steps, "gpus": gpus, "best_fixed": fixed | {"system": best_name},
+    return {"workload": name, "steps": w.steps, "gpus": gpus, "best_stock": fixed | {"system": best_name},
             "tide_lend_actor": r.row() | {"rollout_ratio": ratio},
-            "waits_vs_best_fixed": round((r.rwt_s + r.twt_s) / (fixed["rwt_s"] + fixed["twt_s"]) - 1, 4),
+            "waits_vs_best_stock": round((r.rwt_s + r.twt_s) / (fixed["rwt_s"] + fixed["twt_s"]) - 1, 4),
             "switch_round_trip_s": round(round_trip, 3), "in_step_waits": len(sim.actor_in_step_waits),
             "in_step_waits_s": round(sum(sim.actor_in_step_waits), 1),
             "in_step_waits_longer_than_round_trip": len(longer),
@@ -83,7 +83,7 @@ def main() -> None:
         t = m["tide_lend_actor"]
         label = f"{name} x{m['steps']}"
         print(f"{label:<16}{t['rwt_s']:>8.0f}{t['rwt_sync_s']:>7.0f}{t['twt_s']:>8.0f}{t['twt_in_step_s']:>8.0f}"
-              f"{m['waits_vs_best_fixed']:>+14.0%}{m['switch_round_trip_s']:>13.1f}"
+              f"{m['waits_vs_best_stock']:>+14.0%}{m['switch_round_trip_s']:>13.1f}"
               f"{m['in_step_waits_longer_than_round_trip']:>6} of {m['in_step_waits']:<3}"
               f"{m['seconds_beyond_round_trip']:>8.0f}", flush=True)
     out = {"date": datetime.date.today().isoformat(), "gpus": args.gpus, "what": __doc__.split("\n\n")[1].strip(),

@@ -1,16 +1,14 @@
 """`verl-tide bench`: every system on one workload and cluster, a table, JSON and a plot.
 
-Systems (names as in the JSON): `verl_sync`; `verl_async_fixed` (verl separate_async / AReaL-like,
-the best rollout ratio of the sweep, each ratio also reported as `verl_async_fixed_r0.XX`);
-`verl_async_hybrid` (the same at its best ratio, plus verl's hybrid replicas: trainer GPUs roll out
-while the trainer waits for a batch, at a switch cost each way);
-`streamrl_fixed` (streaming with a Ref<->Actor swap per micro-batch, best ratio of the same sweep);
-`tide` (CTB + RA2P + ERS, starting from the best fixed ratio, as the paper does); `tide_lend_actor` (the same
-with `tide.ers.lend_actor`: the Actor's GPUs roll out as ERS decides); under `what_if`, `tide_free_sync_lend`
-(tide_lend_actor with a weight sync of zero seconds); and the oracle bound: min(rollout capacity, trainer
-capacity) at the best split, with full prefix reuse and no
-waiting, also reported as multiples of verl sync and the best fixed ratio (`oracle_bound`). `--ablation` adds
-the paper's Table 2: RA2P, ERS and CTB one at a time on top of the best StreamRL-like system.
+Systems (names as in the JSON): `verl_sync`; the stock asynchronous systems of `STOCK_SYSTEMS` (verl
+`separate_async` with and without its hybrid switch, verl `fully_async` with its `default` dynamic schedule,
+an eager hybrid bound, StreamRL-like), each swept over the rollout ratio (verl's modes also over
+`parameter_sync_step`) and reported at its best, every run also under `fixed_ratio_sweep`; `tide` (CTB + RA2P +
+ERS) from the best stock system's split and from every split (`tide_start_ratio_sweep`); `tide_lend_actor` (the
+same with `tide.ers.lend_actor`); under `what_if`, `tide_free_sync_lend` (tide_lend_actor with a weight sync of
+zero seconds); the oracle bound (min(rollout capacity, trainer capacity) at the best split, full prefix reuse, no
+waiting). `headline`: tide from its best start against the best stock system at its best split. `--ablation`
+adds the paper's Table 2: RA2P, ERS and CTB one at a time on top of the best StreamRL-like system.
 """
 
 from __future__ import annotations
@@ -29,6 +27,24 @@ from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.workload import Workload
 
 RATIOS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # where the best lies at an end, the sweep is too short
+PARAMETER_SYNC_STEPS = (1, 4)  # verl's asynchronous modes: the whole batch, or verl's default 4 mini-batches a sync
+
+# The stock systems, each swept over the split (and verl's over parameter_sync_step) and reported at its best.
+STOCK_SYSTEMS: dict[str, dict] = {
+    # trainer_mode=separate_async, actor_rollout_ref.hybrid_engine=False: standalone rollout, the trainer takes PPO
+    # mini-batches as its sampler (2 s poll) finds them ready, partial rollout
+    "verl_separate_async": {"consume": "mini_batch", "poll_s": 2.0, "partial_rollout": True},
+    # the same with hybrid replicas and hybrid_rollout.enable_switch (verl's adaptive threshold and cost gate)
+    "verl_separate_async_switch": {"consume": "mini_batch", "poll_s": 2.0, "partial_rollout": True, "hybrid": True,
+                                   "hybrid_switch": "separate_async"},
+    # experimental/fully_async_policy with dynamic_schedule policy `default` (its message queue: no poll)
+    "verl_fully_async_dynamic": {"consume": "mini_batch", "partial_rollout": True, "hybrid": True,
+                                 "hybrid_switch": "fully_async_default"},
+    # not a verl rule, kept as a stronger bound: hybrid replicas lent whenever the trainer waits for a whole batch
+    "hybrid_eager": {"hybrid": True},
+    # StreamRL-like: micro-batches streamed, a Ref<->Actor swap each
+    "streamrl_fixed": {"consume": "stream_swap"},
+}
 
 
 def free_sync(hw: Hardware) -> Hardware:
@@ -102,27 +118,36 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         return r
 
     plan_ms: list[float] = []
+    parameter_sync_of: dict[str, int] = {}
     results: dict[str, Result] = {"verl_sync": sim(SystemSpec("verl_sync", sync=True, micro_batch_per_gpu=8))}
+    # every stock system at each split, and verl's modes at each parameter_sync_step of the sweep; each reported
+    # at its best
     sweep: dict[str, Result] = {}
-    for ratio in ratios:
-        sweep[f"verl_async_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"verl_async_fixed_r{ratio:.3g}", rollout_ratio=ratio))
-    best_async = max(sweep.values(), key=lambda r: r.goodput_tok_s)
-    results["verl_async_fixed"] = replace(best_async, system="verl_async_fixed")
-    results["verl_async_hybrid"] = sim(SystemSpec("verl_async_hybrid", rollout_ratio=best_async.rollout_ratio,
-                                                  hybrid=True))
-    stream: dict[str, Result] = {}
-    for ratio in ratios:
-        stream[f"streamrl_fixed_r{ratio:.3g}"] = sim(SystemSpec(f"streamrl_fixed_r{ratio:.3g}", rollout_ratio=ratio,
-                                                                consume="stream_swap"))
-    best_stream = max(stream.values(), key=lambda r: r.goodput_tok_s)
-    results["streamrl_fixed"] = replace(best_stream, system="streamrl_fixed")
+    best_of: dict[str, Result] = {}
+    for system, rules in STOCK_SYSTEMS.items():
+        runs = []
+        for psync in (PARAMETER_SYNC_STEPS if rules.get("consume") == "mini_batch" else (None,)):
+            for ratio in ratios:
+                name = f"{system}_r{ratio:.3g}" + (f"_sync{psync}" if psync else "")
+                spec = SystemSpec(name, rollout_ratio=ratio, **rules,
+                                  **({"parameter_sync_step": psync} if psync else {}))
+                sweep[name] = sim(spec)
+                runs.append((sweep[name], psync))
+        best, psync = max(runs, key=lambda run: run[0].goodput_tok_s)
+        best_of[system] = best
+        results[system] = replace(best, system=system)
+        if psync:
+            parameter_sync_of[system] = psync
+    best_stock_name = max(best_of, key=lambda n: best_of[n].goodput_tok_s)
+    best_stock = best_of[best_stock_name]
+    best_stream = best_of["streamrl_fixed"]
 
     def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False,
              on: Hardware = hw) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
                               elastic=True, lend_actor=lend), tide_ers, on)
 
-    best = best_async.rollout_ratio
+    best = best_stock.rollout_ratio
     results["tide"] = tide(best)
     # tide.ers.lend_actor (trainer tide's default without a Ref model; these jobs model one, which trainer tide
     # does not lend beside yet): the Actor's GPUs roll out through the cold start, before evaluations and after
@@ -138,6 +163,7 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     # the trainer, no rank joins rollout from it), so from a rollout-starved start it cannot find the split
     # for the user; this shows what a worse (or better) start costs.
     tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
+    tide_best = max(tide_starts.values(), key=lambda r: r.goodput_tok_s)
     oracle = oracle_goodput(w, gpus, hw)
     ablation_report = None
     if ablation:
@@ -153,16 +179,25 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
             for name, r in steps_of.items()], "paper_table2_osworld_k_tok_s": PAPER_TABLE2_OSWORLD_K_TOK_S}
     return {
         "workload": w.name, "gpus": gpus, "hardware": hw.name, "steps": w.steps, "seed": seed,
-        "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in results.items()},
-        "fixed_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
-                              for name, r in {**sweep, **stream}.items()},
+        "systems": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
+                           **({"parameter_sync_step": parameter_sync_of[name]} if name in parameter_sync_of else {})}
+                    for name, r in results.items()},
+        # the headline: tide from its best start against the best stock system at that system's best split
+        "headline": {"best_stock": best_stock_name, "best_stock_rollout_ratio": best_stock.rollout_ratio,
+                     "best_stock_goodput_tok_s": round(best_stock.goodput_tok_s, 1),
+                     "tide_best_start": tide_best.rollout_ratio,
+                     "tide_best_goodput_tok_s": round(tide_best.goodput_tok_s, 1),
+                     "tide_vs_best_stock": round(tide_best.goodput_tok_s / best_stock.goodput_tok_s, 4),
+                     "tide_waits_vs_best_stock": round((tide_best.rwt_s + tide_best.twt_s) /
+                                                       max(best_stock.rwt_s + best_stock.twt_s, 1e-9) - 1, 4)},
+        "fixed_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio} for name, r in sweep.items()},
         "tide_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
                                           "advised_rollout_ratio": r.split_advice and round(r.split_advice.rollout_ratio, 4)}
                                    for name, r in tide_starts.items()},
         "oracle_goodput_tok_s": round(oracle, 1),
         # The most any system could make here, as multiples of the baselines (no system beats the oracle).
         "oracle_bound": {"vs_verl_sync": round(oracle / results["verl_sync"].goodput_tok_s, 3),
-                         "vs_best_fixed": round(oracle / best_async.goodput_tok_s, 3)},
+                         "vs_best_stock": round(oracle / best_stock.goodput_tok_s, 3)},
         "what_if": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
                            "regenerated_tokens": r.ledger["regenerated_tokens"]} for name, r in what_if.items()},
         "tide_steps": results["tide"].steps,
@@ -191,26 +226,29 @@ def _quantiles(ms: list[float]) -> dict:
 def format_table(report: dict) -> str:
     sync = report["systems"]["verl_sync"]["goodput_tok_s"]
     lines = [f"workload {report['workload']}, {report['gpus']} x {report['hardware']}, {report['steps']} steps",
-             f"{'system':<20}{'ratio':>7}{'goodput tok/s':>15}{'vs sync':>9}{'RWT s':>9}{'TWT s':>9}"
+             f"{'system':<28}{'ratio':>7}{'goodput tok/s':>15}{'vs sync':>9}{'RWT s':>9}{'TWT s':>9}"
              f"{'KV hit':>8}{'step s':>9}"]
     for name, row in report["systems"].items():
         ratio = "-" if row["rollout_ratio"] is None else f"{row['rollout_ratio']:.3g}"
-        lines.append(f"{name:<20}{ratio:>7}{row['goodput_tok_s']:>15.0f}{row['goodput_tok_s'] / sync:>8.2f}x"
+        lines.append(f"{name:<28}{ratio:>7}{row['goodput_tok_s']:>15.0f}{row['goodput_tok_s'] / sync:>8.2f}x"
                      f"{row['rwt_s']:>9.0f}{row['twt_s']:>9.0f}{row['kv_hit_rate']:>8.1%}{row['step_time_s']:>9.1f}")
     oracle = report["oracle_goodput_tok_s"]
     tide = report["systems"]["tide"]["goodput_tok_s"]
-    lines.append(f"{'oracle bound':<20}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x")
+    lines.append(f"{'oracle bound':<28}{'-':>7}{oracle:>15.0f}{oracle / sync:>8.2f}x")
     bound = report["oracle_bound"]
     lines.append(f"the most any system can make here (the oracle): {bound['vs_verl_sync']:.2f}x verl sync, "
-                 f"{bound['vs_best_fixed']:.2f}x the best fixed async")
-    fixed = report["systems"]["verl_async_fixed"]
+                 f"{bound['vs_best_stock']:.2f}x the best stock system")
+    head = report["headline"]
+    best_name = head["best_stock"]
+    fixed = best_fixed = report["systems"][best_name]
     tide_row = report["systems"]["tide"]
-    # the waits are compared with the best fixed-ratio system by goodput, StreamRL-like included
-    best_name = max(("verl_async_fixed", "streamrl_fixed"), key=lambda n: report["systems"][n]["goodput_tok_s"])
-    best_fixed = report["systems"][best_name]
     waits_fixed, waits_tide = best_fixed["rwt_s"] + best_fixed["twt_s"], tide_row["rwt_s"] + tide_row["twt_s"]
-    lines.append(f"tide / oracle: {tide / oracle:.0%}; tide / best fixed async: {tide / fixed['goodput_tok_s']:.2f}x; "
-                 f"RWT+TWT vs the best fixed ratio ({best_name}): {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
+    lines.append(f"headline: tide from its best start ({head['tide_best_start']:.3g}) "
+                 f"{head['tide_vs_best_stock']:.2f}x the best stock system, {best_name} at its best split "
+                 f"({head['best_stock_rollout_ratio']:.3g}); RWT+TWT {head['tide_waits_vs_best_stock']:+.0%}")
+    lines.append(f"tide / oracle: {tide / oracle:.0%}; tide from {best_name}'s split: "
+                 f"{tide / fixed['goodput_tok_s']:.2f}x it; "
+                 f"RWT+TWT vs {best_name}: {waits_tide / max(waits_fixed, 1e-9) - 1:+.0%}; "
                  f"ERS plan {report.get('tide_ers_plan_ms', {}).get('median', 0):.3f} ms median, "
                  f"{report.get('tide_ers_plan_ms', {}).get('p99', 0):.3f} ms p99, "
                  f"{report.get('tide_ers_plan_ms_max', 0):.3f} ms slowest")
@@ -219,7 +257,7 @@ def format_table(report: dict) -> str:
         waits_lend = lend["rwt_s"] + lend["twt_s"]
         lines.append(f"tide + tide.ers.lend_actor (the Actor's GPUs roll out as ERS decides, verl's hybrid replicas): "
                      f"goodput {lend['goodput_tok_s']:.0f} tok/s ({lend['goodput_tok_s'] / fixed['goodput_tok_s']:.2f}x "
-                     f"best fixed), RWT+TWT vs the best fixed ratio {waits_lend / max(waits_fixed, 1e-9) - 1:+.0%}")
+                     f"the best stock), RWT+TWT vs it {waits_lend / max(waits_fixed, 1e-9) - 1:+.0%}")
     for name in ("tide", "tide_lend_actor"):
         row = report["systems"].get(name)
         if row and "twt_in_step_s" in row:
@@ -229,7 +267,7 @@ def format_table(report: dict) -> str:
                          f"{row['twt_s'] - row['twt_in_step_s']:.0f}")
     free = report.get("what_if", {}).get("tide_free_sync_lend")
     if free:
-        lines.append(f"what-if: the same with a weight sync that costs nothing: RWT+TWT vs the best fixed ratio "
+        lines.append(f"what-if: the same with a weight sync that costs nothing: RWT+TWT vs the best stock "
                      f"{(free['rwt_s'] + free['twt_s']) / max(waits_fixed, 1e-9) - 1:+.0%} (RWT {free['rwt_s']:.0f} s, "
                      f"TWT {free['twt_s']:.0f} s: neither the sync nor the cold start)")
     if tide_row.get("twt_ref_idle_s"):
@@ -297,8 +335,9 @@ def main(workload: str, gpus: int, json_path: Optional[str], plot_path: Optional
     t0 = time.monotonic()
     say = None if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     if say:
-        say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, 2 x {len(RATIOS)} fixed ratios, "
-            f"hybrid, tide from {len(RATIOS)} start ratios")
+        say(f"simulating {w.name} on {gpus} GPUs, {w.steps} steps: verl_sync, {len(STOCK_SYSTEMS)} stock systems at "
+            f"{len(RATIOS)} splits (verl's also at parameter_sync_step {PARAMETER_SYNC_STEPS}), tide from "
+            f"{len(RATIOS)} start ratios")
     report = run_bench(w, gpus, seed=seed, progress=say, min_batch=min_batch, ablation=ablation)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     print(format_table(report))

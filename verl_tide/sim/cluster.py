@@ -37,12 +37,13 @@ from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
-                                 split_cost, streaming_swap_cost)
+                                 mini_batch_cost, split_cost, streaming_swap_cost)
 from verl_tide.sim.boundary import PlannerSide
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 # the records lived here first; callers import SystemSpec and Result from the simulation
 from verl_tide.sim.records import CONSUME_MODES, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
+from verl_tide.sim.stock import StepWaits, hybrid_switch
 from verl_tide.sim.workload import Workload
 
 class Simulation(PlannerSide):
@@ -90,6 +91,13 @@ class Simulation(PlannerSide):
         # M micro-batches of equal size per step, M * mb_size <= B (the few left over wait for the next step)
         self.M = max(1, math.ceil(self.B / (self.actor_ranks * spec.micro_batch_per_gpu)))
         self.mb_size = self.B // self.M
+        self.per_mini_batch = max(1, math.ceil(self.M / spec.parameter_sync_step))  # mini_batch: verl's PPO mini-batch
+        # verl's own rule for its hybrid replicas (sim/stock.py), None for the eager model
+        self.switch = hybrid_switch(spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout,
+                                    spec.poll_s) if spec.hybrid else None
+        self._step_lent = False  # the hybrid replicas rolled out until this step began (verl: its sampler did not wait)
+        self._sampler_waits = StepWaits(0.0, 0)
+        self._round_trips = 0  # hybrid replicas lent after a sync and taken back (verl measures the switch then)
         # routing
         self.ctb: Optional[CTBScheduler] = None
         self.assigned: dict[int, int] = {r: 0 for r in self.ranks}
@@ -270,7 +278,14 @@ class Simulation(PlannerSide):
         decoded = {id(req): req.action - (target - rr.progress) for target, _, req in rr.decoding}
         for req in rr.abort_all():
             tr = self.trajs[req.task]
-            self.stats["regenerated_tokens"] += max(0, int(decoded.get(id(req), 0)))  # generated, lost, redone
+            done = max(0, int(decoded.get(id(req), 0)))
+            if self.spec.partial_rollout and done < tr.actions[tr.turn]:  # resumed elsewhere with its tokens so far
+                tr.actions[tr.turn] -= done
+                tr.context += done
+                tr.generated += done
+                self.stats["generated_tokens"] += done
+            else:
+                self.stats["regenerated_tokens"] += done  # generated, lost, redone
             tr.in_engine = None
             tr.pending = True
         if self.ctb is not None:
@@ -313,17 +328,20 @@ class Simulation(PlannerSide):
         if self._post_update is not None:  # the last step's boundary first (a sync shorter than a tick)
             return
         if self.step_open is None:
-            need = self.M if self.spec.consume == "global" else 1
+            need = {"global": self.M, "mini_batch": min(self.per_mini_batch, self._step_M)}.get(self.spec.consume, 1)
             eval_blocked = self.spec.eval_blocks_trainer and any(
                 g.done + g.failed < g.size for g in self.eval_pending)
             if self._hybrid_on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
                 need = max(need, min(self._lend_return_at, self._step_M))
-            if eval_blocked or len(self.micro_batches) < need:
-                if self.spec.hybrid and not self._hybrid_on:
+            if self._hybrid_on and self.switch is not None:  # verl's threshold of the batch ready first
+                need = max(need, min(self._step_M, math.ceil(self.switch.threshold() / self.mb_size)))
+            if eval_blocked or len(self.micro_batches) < need or not self._sampler_sees(need):
+                if self.spec.hybrid and not self._hybrid_on and self.switch is None:
                     self._hybrid(wake=True)
                 self._budget_in_wait()
                 return
             start = self.t
+            self._step_lent = self._hybrid_on
             if self._hybrid_on:
                 self._hybrid(wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
@@ -341,6 +359,14 @@ class Simulation(PlannerSide):
         else:
             self._budget_in_wait()  # streaming: the open step waits for its next micro-batch
 
+    def _sampler_sees(self, need: int) -> bool:
+        """verl separate_async's sampler looks at its replay buffer every `poll_s` from when it starts waiting
+        (after the last weight sync): the `need`-th ready micro-batch counts from its first look after it."""
+        poll, since = self.spec.poll_s, self.trainer_free_at
+        if not poll or self.spec.consume != "mini_batch" or self.micro_batches[need - 1][1] <= since:
+            return True
+        return self.t >= since + math.ceil((self.micro_batches[need - 1][1] - since) / poll - 1e-9) * poll
+
     def _hybrid(self, wake: bool, switch_s: Optional[float] = None) -> None:
         """verl separate_async's hybrid replicas: the trainer's GPUs roll out while it waits for data; when the
         batch is ready their requests are aborted and re-routed (fresh prefill elsewhere). `switch_s`: the
@@ -351,11 +377,29 @@ class Simulation(PlannerSide):
             for r in hybrid_ranks:
                 self._add_rank(r, self.t + switch, colocated=True)
             self._hybrid_since = self.t + switch
+            if self.ctb is None:  # CTB routes every turn itself
+                self._rebalance()
         else:
             for r in hybrid_ranks:
                 self._remove_rank(r)
             self._hybrid_served_s += max(0.0, self.t - self._hybrid_since)
         self._hybrid_on = wake
+
+    def _rebalance(self) -> None:
+        """Stock hybrid replicas lent: verl clears its load balancer's sticky cache (fully_async also aborts and
+        resubmits what is in flight), so each unfinished trajectory's next turn goes to the least-loaded server.
+        Tasks between turns move here; a running turn finishes where it is."""
+        movable = [tr for tr in self.trajs.values() if not tr.done and tr.in_engine is None and tr.rank is not None]
+        for tr in movable:
+            target = min(self.ranks, key=lambda r: (self.assigned[r], r))
+            if tr.rank in self.assigned and self.assigned[target] + 1 >= self.assigned[tr.rank]:
+                continue
+            if tr.rank in self.ranks:
+                self.ranks[tr.rank].forget(tr.tid)
+            if tr.rank in self.assigned:
+                self.assigned[tr.rank] -= 1
+            tr.rank = target
+            self.assigned[target] += 1
 
     def _finish_step(self, step: dict) -> None:
         start, mbs = step["start"], step["mbs"]
@@ -369,6 +413,8 @@ class Simulation(PlannerSide):
         in_step: list[float] = []  # the Actor's waits for data inside the step
         if self.spec.consume == "global":
             cost, mode = global_batch_cost([0.0] * len(mbs), times, in_step), "global"
+        elif self.spec.consume == "mini_batch":
+            cost, mode = mini_batch_cost(ready_rel, times, self.per_mini_batch, self.spec.poll_s, in_step), "mini_batch"
         elif self.spec.consume == "stream_swap":
             cost, mode = streaming_swap_cost(ready_rel, times, in_step), "stream_swap"
         elif decoupled:
@@ -391,6 +437,10 @@ class Simulation(PlannerSide):
         self.actor_in_step_waits.extend(in_step)
         self._hybrid_served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
+        # what verl's sampler counts (a wait while the replicas were lent is its switch_wait, not a sample wait)
+        sampler_s = sum(in_step) + (0.0 if self._step_lent else before_step)
+        self._sampler_waits = StepWaits(sampler_s, (len(in_step) + (0 if self._step_lent or not before_step else 1))
+                                        * self.per_mini_batch * self.mb_size)
         self.tracker.trainer_waited(actor_wait)
         if self.ref_ranks:  # Ref ranks idle unless decoupled or split mode feeds them
             ref_busy = len(mbs) * (times.t_ref if decoupled else share * ref_ranks_t_ref)
@@ -420,6 +470,13 @@ class Simulation(PlannerSide):
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
         if self.ers is not None or self.spec.consume == "ra2p":
             rec.plan = self._decide(end, sync_end, eval_next, times)
+        if self.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
+            ready_next = len(self.ready) + sum(mb[2] for mb in self.micro_batches)
+            lend = self.switch.step_ended(self._sampler_waits, ready_next,
+                                          2 * self.costs.switch_s if self._round_trips else None)
+            if lend and not self._hybrid_on and self.consumed_steps < self.w.steps:
+                self._round_trips += 1
+                self._hybrid(wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
         for rr in self.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:

@@ -8,8 +8,9 @@ from typing import Optional
 
 from verl_tide.ers.advice import SplitAdvice
 from verl_tide.sim.engine import Request
+from verl_tide.sim.stock import SWITCH_POLICIES
 
-CONSUME_MODES = ("global", "stream_swap", "ra2p")
+CONSUME_MODES = ("global", "mini_batch", "stream_swap", "ra2p")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,9 @@ class SystemSpec:
     sync: bool = False  # verl's synchronous colocated trainer
     rollout_ratio: float = 0.25  # asynchronous: fraction of GPUs that start as rollout ranks
     routing: str = "stock"  # stock | ctb
-    consume: str = "global"  # global | stream_swap | ra2p
+    # global: the whole batch, then Ref and Actor (verl's V0 async); mini_batch: verl V1 separate_async / fully_async
+    # (PPO mini-batches as each is ready); stream_swap: StreamRL-like; ra2p: tide
+    consume: str = "global"
     eval_blocks_trainer: bool = True
     elastic: bool = False  # ERS
     hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
@@ -26,6 +29,13 @@ class SystemSpec:
     # can start, then after each update as ERS decides (`ers/lending.py`, through the boundary planner, as trainer
     # tide asks it): preemptively before an evaluation, else when the expected wait pays for the switch
     lend_actor: bool = False
+    # with `hybrid`: who decides when the replicas roll out: eager (whenever the trainer waits), or verl's own rule,
+    # separate_async (its enable_switch) | fully_async_default (its dynamic schedule) (`sim/stock.py`); a verl
+    # rule lends only after a weight sync and takes the replicas back once its threshold of the batch is ready
+    hybrid_switch: str = "eager"
+    parameter_sync_step: int = 4  # mini_batch: PPO mini-batches per weight sync (verl's default)
+    poll_s: float = 0.0  # mini_batch: the sampler looks for ready data every poll_s (separate_async: 2 s)
+    partial_rollout: bool = False  # an aborted request resumes with the tokens it had (verl's async modes)
     micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
     max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)
 
@@ -34,6 +44,12 @@ class SystemSpec:
             raise ValueError(f"SystemSpec.routing = {self.routing!r}: must be stock | ctb")
         if self.consume not in CONSUME_MODES:
             raise ValueError(f"SystemSpec.consume = {self.consume!r}: must be {' | '.join(CONSUME_MODES)}")
+        if self.hybrid_switch not in SWITCH_POLICIES:
+            raise ValueError(f"SystemSpec.hybrid_switch = {self.hybrid_switch!r}: must be "
+                             f"{' | '.join(SWITCH_POLICIES)}")
+        if self.parameter_sync_step < 1 or self.poll_s < 0:
+            raise ValueError(f"SystemSpec.parameter_sync_step = {self.parameter_sync_step}, poll_s = {self.poll_s}: "
+                             "must be >= 1 and >= 0")
         if not 0 < self.rollout_ratio < 1:
             raise ValueError(f"SystemSpec.rollout_ratio = {self.rollout_ratio}: must be 0 < x < 1")
 
