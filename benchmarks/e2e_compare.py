@@ -70,7 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attribution", action="store_true",
                     help=f"also run '{POLL_AS_VERL}' (tide.sample_poll_s=2: how much of tide's number is its "
                          "faster look for ready groups)")
+    ap.add_argument("--device-budgets", type=float, default=None, metavar="CORES",
+                    help="fake GPUs that idle like GPUs: a CPU quota of CORES per fake GPU (root and a writable "
+                         "cgroup CPU controller; testing/device_budgets.py); default: none, every fake GPU shares "
+                         "the machine's cores")
+    ap.add_argument("--host-cores", type=float, default=None,
+                    help="with --device-budgets: the host side's quota (default: the cores the fake GPUs leave)")
     args = ap.parse_args(argv)
+    budgets = device_budgets_env(args.device_budgets, args.host_cores)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -113,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>44} | {r['startup_s']:>10.1f} | {r['wall_s']:>7.1f} | {r['tokens']:>7.0f} | "
               f"{r['goodput_tok_s']:>13.1f} | {r['goodput_after_step1_tok_s']:>10.1f} | {every:>17} | {rewards}")
     finished = {k: v for k, v in results.items() if v["returncode"] == 0}
+    for name, r in finished.items():
+        if r.get("device_busy"):  # with budgets: each fake GPU's usage / budget, the test bed's GPU utilisation
+            print(f"{name}: device busy " + ", ".join(f"{g} {b:.0%}" for g, b in sorted(r["device_busy"].items())))
     for name in (n for n in finished if is_tide(n)):
         print(f"{name}: mechanisms that acted: " + ", ".join(f"{k} {v:g}" for k, v in
                                                             finished[name]["mechanisms"].items()))
@@ -139,10 +149,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[compare] {work / 'timeline.png'}")
     if args.json:
         Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+                                              "device_budgets": budgets or "none (fake GPUs share the cores)",
                                               "clock": "first /start to the last step's metrics line",
                                               "repeats": max(1, args.repeats), "seed": args.seed,
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
+
+
+def device_budgets_env(cores: float | None, host: float | None) -> dict:
+    """Put the budgets in this process's environment (every job it launches reads them) and say so at the top."""
+    import os
+
+    from verl_tide.testing.device_budgets import BUDGET_ENV, HOST_ENV
+
+    if cores is None:
+        print("[compare] device budgets: none (every fake GPU shares the machine's cores)", flush=True)
+        return {}
+    os.environ[BUDGET_ENV] = str(cores)
+    if host is not None:
+        os.environ[HOST_ENV] = str(host)
+    print(f"[compare] device budgets: {cores} cores per fake GPU, host "
+          f"{host if host is not None else 'the cores they leave'} (cgroup CPU quotas, 10 ms period)", flush=True)
+    return {"cores_per_fake_gpu": cores, "host_cores": host if host is not None else "the cores they leave"}
 
 
 def print_timeline(finished: dict[str, dict]) -> None:

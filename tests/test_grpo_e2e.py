@@ -20,6 +20,7 @@ import urllib.request
 import pytest
 import yaml
 
+from verl_tide.testing.device_budgets import BUDGET_ENV, HOST_ENV, find_hierarchy
 from verl_tide.testing.testbed import GRPOJob, grpo_overrides, parse_step_metrics, run_main_ppo
 from verl_tide.testing.tiny_model import write_env_task_parquet
 
@@ -46,7 +47,10 @@ def stock_run(tiny_model_path, env_service_url, tmp_path_factory):
     overrides = [*grpo_overrides(job), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
                  f"+tide.env.url={env_service_url}", "+tide.env.max_tokens_per_turn=8",
                  f"actor_rollout_ref.rollout.router_config_path={router_yaml}"]
-    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900)
+    # under device budgets (testing/device_budgets.py): fake GPU 0 gets 0.8 cores of its own, the host side 0.6,
+    # so the job leaves a neighbour test 0.6 of the 2 cores whatever it does
+    run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=900,
+                       extra_env={BUDGET_ENV: "0.8", HOST_ENV: "0.6"})
     with urllib.request.urlopen(env_service_url + "/health", timeout=10) as r:
         health = json.load(r)
     return run, json.loads((work / "ctb_status.json").read_text()), health
@@ -58,6 +62,25 @@ def test_stock_grpo_completes_its_steps_on_cpu(stock_run):
     steps = parse_step_metrics(run.output)
     assert sorted(steps) == list(range(1, STEPS + 1)), run.output[-3000:]
     assert "Training Progress: 100%" in run.output
+
+
+def test_every_worker_computes_in_its_fake_gpus_budget_and_the_job_reports_how_busy_each_was(stock_run):
+    run, _, _ = stock_run
+    placed = re.findall(r"verl-tide device budget: pid (\d+) \((.*?)\) in (\S+) \((\S+) cores\)", run.output)
+    by_group: dict[str, list[str]] = {}
+    for _, cmd, group, _ in placed:
+        by_group.setdefault(group, []).append(cmd)
+    # the FSDP actor's worker and the vLLM server (its engine core inherits the group) on fake GPU 0
+    assert any("WorkerDict" in c for c in by_group.get("gpu0", [])), placed
+    assert any("vLLMHttpServer" in c for c in by_group.get("gpu0", [])), placed
+    assert set(by_group) == {"gpu0"}  # nothing else moved: the driver, Ray, agent loops stay in the host group
+    busy = run.device_busy
+    assert busy is not None and set(busy) == {"gpu0", "host"}, busy
+    assert 0.05 < busy["gpu0"] <= 1.1 and 0 < busy["host"] <= 1.1, busy  # never past its budget
+    summary = re.search(r"verl-tide device budgets in (\S+) .*gpu0 0\.80 cores busy \d+%.*host 0\.60 cores", run.output)
+    assert summary, run.output[-2000:]
+    h = find_hierarchy()
+    assert not (h.cpu / summary.group(1)).exists() and not (h.acct / summary.group(1)).exists()  # cleaned up
 
 
 def test_every_step_updates_the_actor(stock_run):

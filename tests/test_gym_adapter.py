@@ -7,7 +7,7 @@ import pytest
 
 from verl_tide.env.client import EnvClient, EnvError
 from verl_tide.env.conformance import run_checks
-from verl_tide.env.gym_adapter import InvalidAction, discrete_action_parser, register_gym_environment
+from verl_tide.env.gym_adapter import InvalidAction, discrete_action_parser, register_gym_environment, render_text
 from verl_tide.testing.env_hosting import hosted
 
 ACTIONS = ["left", "down", "right", "up"]  # FrozenLake's Discrete(4), in order
@@ -82,8 +82,17 @@ async def test_the_conformance_kit_passes_the_gym_adapter(frozen_lake):
     assert not failed and any(r.status == "PASS" for r in results), failed
 
 
+def test_an_environment_that_cannot_render_text_is_refused_at_registration_naming_the_fix():
+    with pytest.raises(ValueError, match=r"CartPole-v1 cannot be served as text.*--gym-formatter MODULE:FUNC"):
+        register_gym_environment("CartPole-v1", name="cartpole-refused")
+    # with a formatter it is served
+    assert register_gym_environment("CartPole-v1", name="cartpole-formatted",
+                                    formatter=lambda obs, env: " ".join(f"{x:.2f}" for x in obs)) == "cartpole-formatted"
+
+
 async def test_an_observation_that_is_not_text_is_a_clear_error_naming_the_environment():
-    name = register_gym_environment("CartPole-v1", name="cartpole-test")
+    # a formatter that cannot render (here the default one, given explicitly, so registration does not check it)
+    name = register_gym_environment("CartPole-v1", name="cartpole-test", formatter=render_text)
     async with hosted(name) as (server, url):
         async with EnvClient(url, max_retries=0) as c:
             with pytest.raises(EnvError, match=r"cartpole-test.*not text.*render_mode='ansi'"):

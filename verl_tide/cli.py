@@ -1,4 +1,4 @@
-"""`verl-tide` command line: `verl-tide env serve ...`, `verl-tide env check URL`, `verl-tide bench ...`."""
+"""`verl-tide` command line: `env serve | tasks | check`, `check <overrides>`, `paths router`, `bench`."""
 
 from __future__ import annotations
 
@@ -8,19 +8,22 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-tide")
+    fmt = argparse.ArgumentDefaultsHelpFormatter  # every --help shows the defaults
+    parser = argparse.ArgumentParser(prog="verl-tide", formatter_class=fmt,
+                                     description="verl-tide: TideRL's readiness-aware scheduling for verl 0.9.x")
     sub = parser.add_subparsers(dest="group", required=True)
-    env = sub.add_parser("env", help="environment service").add_subparsers(dest="command", required=True)
+    env = sub.add_parser("env", formatter_class=fmt, help="environment service").add_subparsers(dest="command",
+                                                                                              required=True)
 
-    serve = env.add_parser("serve", help="run the reference environment server")
+    serve = env.add_parser("serve", formatter_class=fmt, help="run the reference environment server")
     serve.add_argument("--env", default="tiny", help="default environment or preset for /start without 'env'")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8765)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless you mean otherwise)")
+    serve.add_argument("--port", type=int, default=8765, help="port to listen on")
     serve.add_argument("--session-timeout", type=float, default=240.0, help="inactivity timeout (s), frozen while paused")
     serve.add_argument("--step-timeout", type=float, default=20.0,
                        help="longest environment reset/step (s) before an error; keep below tide.env.request_timeout_s")
-    serve.add_argument("--max-sessions", type=int, default=1024)
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--max-sessions", type=int, default=1024, help="open episodes at once; /start beyond it is refused")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted")
     serve.add_argument("--latency-scale", type=float, default=1.0, help="multiply environment latencies (0 = none)")
     serve.add_argument("--gym", default=None, metavar="ENV_ID",
                        help="also serve this Gymnasium environment (and make it the default): docs/environment-service.md")
@@ -40,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--openenv-action", default=None, metavar="MODULE:CLASS",
                        help="its Action model (with --openenv-env); the reply goes into --openenv-action-field")
 
-    tasks = env.add_parser("tasks", help="write RL rows (parquet) for the tide_env_agent loop: one episode each")
+    tasks = env.add_parser("tasks", formatter_class=fmt,
+                           help="write RL rows (parquet) for the tide_env_agent loop: one episode each")
     tasks.add_argument("--env", required=True, help="the environment name the server serves (e.g. FrozenLake-v1)")
     tasks.add_argument("--n", type=int, required=True, help="rows (episodes)")
     tasks.add_argument("--out", required=True, help="parquet file to write")
@@ -48,21 +52,36 @@ def main(argv: list[str] | None = None) -> int:
     tasks.add_argument("--prompt", default="Play the game. Each turn, answer with one action.",
                        help="the system prompt of every row (the environment's first observation follows it)")
 
-    check = env.add_parser("check", help="conformance checks against a running server")
-    check.add_argument("url")
+    check = env.add_parser("check", formatter_class=fmt, help="conformance checks against a running server")
+    check.add_argument("url", help="the environment service's base URL, e.g. http://127.0.0.1:8765")
     check.add_argument("--env", default=None, help="environment to start (default: the server's default)")
     check.add_argument("--timeout-check-max", type=float, default=10.0,
                        help="check pause/timeout semantics only if the server's timeout is at most this (s)")
 
-    paths = sub.add_parser("paths", help="print the path of a file shipped with verl-tide")
+    paths = sub.add_parser("paths", formatter_class=fmt, help="print the path of a file shipped with verl-tide")
     paths.add_argument("what", choices=["router"], help="router: the CTB router YAML for rollout.router_config_path")
+    paths.add_argument("--group-size", type=int, default=None, metavar="N",
+                       help="write a copy for your job instead: group_size N (your actor_rollout_ref.rollout.n; CTB's "
+                            "group-completion priority needs it) and eval_group_size --eval-group-size, to --out")
+    paths.add_argument("--eval-group-size", type=int, default=None, metavar="N",
+                       help="with --group-size: actor_rollout_ref.rollout.val_kwargs.n (default: 1)")
+    paths.add_argument("--out", default="ctb_router.yaml", help="with --group-size: the file to write")
 
-    bench = sub.add_parser("bench", help="simulate stock verl baselines and TideRL on a modeled GPU cluster")
+    chk = sub.add_parser("check", formatter_class=fmt,
+                         help="compose a job's config as main_ppo would and validate it as trainer tide will, "
+                              "without launching anything (bad tide.* values, unknown keys, layouts)")
+    chk.add_argument("overrides", nargs="*", help="the overrides you pass to main_ppo, e.g. +tide=enabled ...")
+    chk.add_argument("--config-path", default=None,
+                     help="a config directory (as main_ppo's --config-path, e.g. recipes); default: verl's own")
+    chk.add_argument("--config-name", default=None, help="the config in it (default: verl's ppo_trainer)")
+
+    bench = sub.add_parser("bench", formatter_class=fmt,
+                           help="simulate stock verl baselines and TideRL on a modeled GPU cluster")
     bench.add_argument("--workload", default="webshop",
                        help="a preset (webshop | alfworld | osworld | sciboard) or a workload YAML file")
     bench.add_argument("--gpus", type=int, default=32, help="GPUs in the simulated cluster (>= 4)")
     bench.add_argument("--steps", type=int, default=None, help="training steps (default: the workload's)")
-    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--seed", type=int, default=0, help="seed of the sampled workload (tasks, turns, latencies)")
     bench.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH", help="write goodput and waits as a PNG")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -87,10 +106,31 @@ def main(argv: list[str] | None = None) -> int:
                              args.min_batch, args.ablation)
         except (WorkloadError, BenchError) as e:
             parser.error(str(e))
+    if args.group == "check":
+        from verl_tide.check import main as run_check
+
+        return run_check(args.overrides, args.config_path, args.config_name)
     if args.group == "paths":
         from importlib.resources import files
 
-        print(files("verl_tide") / "conf" / "router" / "ctb.yaml")
+        shipped = files("verl_tide") / "conf" / "router" / "ctb.yaml"
+        if args.group_size is None:
+            print("verl-tide: this file has group_size: 1; for GRPO write one with your rollout.n: "
+                  "verl-tide paths router --group-size N --out FILE", file=sys.stderr)
+            print(shipped)
+            return 0
+        for flag, value in (("--group-size", args.group_size), ("--eval-group-size", args.eval_group_size)):
+            if value is not None and value < 1:
+                parser.error(f"{flag} {value}: must be an integer >= 1 (your actor_rollout_ref.rollout.n)")
+        import re
+        from pathlib import Path
+
+        text = shipped.read_text()
+        text = re.sub(r"(?m)^group_size: \d+", f"group_size: {args.group_size}", text)
+        text = re.sub(r"(?m)^eval_group_size: \d+", f"eval_group_size: {args.eval_group_size or 1}", text)
+        out = Path(args.out).resolve()
+        out.write_text(text)
+        print(out)
         return 0
     if args.command == "tasks":
         from verl_tide.testing.tiny_model import write_env_task_parquet

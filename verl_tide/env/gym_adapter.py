@@ -147,12 +147,31 @@ def register_gym_environment(env_id: str, kwargs: dict[str, Any] | None = None, 
     if instructions is None:
         allowed = ", ".join(action_names) if action_names else "an action number"
         instructions = f"You are playing {env_id}. Each turn, answer with one action: {allowed}."
+    if formatter is None:
+        _check_renders_text(env_id, dict(kwargs or {}))
     bound = GymSpec(env_id, dict(kwargs or {}), parser or discrete_action_parser(action_names),
                     formatter or render_text, invalid_action_penalty, instructions)
     name = name or env_id
     cls = type(f"Gym_{re.sub(r'[^0-9A-Za-z]', '_', name)}", (GymEnvironment,), {"spec": bound})
     register_environment(name, cls, EnvPreset(name, max_turns=turns, observation_words=0, step_latency_s=0.0))
     return name
+
+
+def _check_renders_text(env_id: str, kwargs: dict[str, Any]) -> None:
+    """Refuse at start-up, not at every /start, an environment the default formatter cannot show as text."""
+    import gymnasium
+
+    if "render_mode" not in kwargs and _renders_ansi(env_id):
+        kwargs["render_mode"] = "ansi"
+    env = gymnasium.make(env_id, **kwargs)
+    try:
+        observation, _ = env.reset(seed=0)
+        render_text(observation, env)
+    except NotText as e:
+        raise ValueError(f"{env_id} cannot be served as text: {e}. Pass a formatter: --gym-formatter MODULE:FUNC, "
+                         "a function (observation, env) -> str") from e
+    finally:
+        env.close()
 
 
 def _renders_ansi(env_id: str) -> bool:

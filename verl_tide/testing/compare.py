@@ -189,6 +189,8 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
     result = {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
               "episodes_started": health["started"], "episodes_ended": health["ended"]}
+    if run.device_busy is not None:  # device budgets: each fake GPU's (and the host's) usage / budget
+        result["device_busy"] = {g: round(b, 4) for g, b in run.device_busy.items()}
     if poller is not None:
         result["timeline"] = run_timeline(lines, health["first_start_unix"], summary["wall_s"], poller.samples)
     return result
@@ -279,7 +281,8 @@ def over_repeats(runs: list[dict]) -> dict:
     goodputs = [r["goodput_tok_s"] for r in runs]
     return {**median, "goodput_runs": goodputs, "goodput_min": min(goodputs), "goodput_max": max(goodputs),
             "goodput_after_step1_runs": [r["goodput_after_step1_tok_s"] for r in runs],
-            "startup_runs_s": [r["startup_s"] for r in runs]}
+            "startup_runs_s": [r["startup_s"] for r in runs],
+            **({"device_busy_runs": [r.get("device_busy") for r in runs]} if median.get("device_busy") else {})}
 
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:

@@ -30,6 +30,8 @@ import torch
 
 from verl.plugin.platform import PlatformBase, PlatformRegistry
 
+from verl_tide.testing.device_budgets import place_self
+
 PLATFORM_NAME = "cpu"
 
 # Environment the CPU test bed needs in every Ray process (driver, TaskRunner, workers, vLLM).
@@ -134,6 +136,9 @@ class CPUTestBedPlatform(PlatformBase):
         return None, None
 
     def communication_backend_name(self) -> str:
+        # a worker-group process on its fake GPU(s), Ray's CUDA_VISIBLE_DEVICES set: into the device's budget
+        # (device_budgets.py; a no-op unless the job asked for budgets) before it computes
+        place_self()
         ensure_gloo_process_group()
         return "gloo"
 

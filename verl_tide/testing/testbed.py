@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 from pathlib import Path
 
-from verl_tide.testing import rewards
+from verl_tide.testing import device_budgets, rewards
 from verl_tide.testing.platform import TEST_BED_ENV
 from verl_tide.testing.scratch import clean_run_files, clean_shm, run_files, run_scratch, shm_in_use  # noqa: F401
 
@@ -165,21 +165,47 @@ class RunResult:
     returncode: int
     output: str
     seconds: float
+    device_busy: Optional[dict[str, float]] = None  # with device budgets: each group's usage / budget over the job
 
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
-                 extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None) -> RunResult:
+                 extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
+                 host_pids: tuple[int, ...] = ()) -> RunResult:
     """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm and
     the temp dir (`run_scratch`).
 
-    `on_line` sees every output line as it comes (progress display)."""
+    `on_line` sees every output line as it comes (progress display). With device budgets
+    (`VERL_TIDE_DEVICE_BUDGETS` in the environment or `extra_env`; `testing/device_budgets.py`) the job runs on
+    fake GPUs with a CPU quota each, `host_pids` (its environment service) in its host group."""
+    env = {**os.environ, **TEST_BED_ENV, **(extra_env or {})}
+    cores = env.get(device_budgets.BUDGET_ENV)
     with run_scratch() as scratch_env:
-        return _run_main_ppo({**os.environ, **TEST_BED_ENV, **scratch_env, **(extra_env or {})}, overrides, cwd,
-                             timeout_s, log_path, on_line)
+        if not cores:
+            return _run_main_ppo({**env, **scratch_env}, overrides, cwd, timeout_s, log_path, on_line)
+        # device budgets (device_budgets.py): the job's groups, the driver and all it starts in the host group,
+        # each worker moving itself to its fake GPU's; the busy fractions at the end; the groups removed
+        host = env.get(device_budgets.HOST_ENV)
+        jb = device_budgets.JobBudgets.create(device_budgets.n_gpus_of(overrides), float(cores),
+                                              host_cores=float(host) if host else None)
+        try:
+            for pid in host_pids:
+                jb.place(pid, [])
+            before = {g: jb.usage_s(g) for g in jb.groups()}
+            result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd, timeout_s,
+                                   log_path, on_line, preexec=lambda: jb.place(os.getpid(), []))
+            busy = {g: b for g, b in jb.busy_fractions(before, result.seconds).items()}
+            line = device_budgets.summary(busy, jb)
+            if log_path:
+                with open(log_path, "a") as log:
+                    log.write(line + "\n")
+            return RunResult(result.returncode, result.output + line + "\n", result.seconds, busy)
+        finally:
+            jb.remove()
 
 
 def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, timeout_s: float,
-                  log_path: str | Path | None, on_line: Callable[[str], None] | None) -> RunResult:
+                  log_path: str | Path | None, on_line: Callable[[str], None] | None,
+                  preexec: Optional[Callable[[], None]] = None) -> RunResult:
     from verl_tide.testing import private_tmp
 
     env.setdefault("RAY_DEDUP_LOGS", "0")
@@ -191,7 +217,7 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
     log = open(log_path, "w") if log_path else None
     lines: list[str] = []
     proc = subprocess.Popen(cmd, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec)
 
     def kill_job() -> None:  # the driver and every process it started (Ray daemons hold the pipe open)
         kill_process_tree(proc.pid)
@@ -252,7 +278,8 @@ def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path,
 
     proc, url = spawn_env_service("--session-timeout", "600", *env_args, latency_scale=latency_scale)
     try:
-        run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line)
+        run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line,
+                           host_pids=(proc.pid,))
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             health = json.load(r)
     finally:

@@ -16,12 +16,18 @@ import torch
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.vllm_async_server import _GATE_BARRIER_TIMEOUT_S, vLLMHttpServer, vLLMReplica
 
-
+from verl_tide.testing.device_budgets import place_self
 
 WORKER_EXTENSION = f"{__name__}.CPUWorkerExtension"
 
 
 class CPUvLLMHttpServer(vLLMHttpServer):
+    def _post_init(self, cuda_visible_devices: str) -> None:
+        """verl's hook at the end of the server's __init__ (its fake GPUs known): into their budget before the
+        engine core starts, so vLLM's children inherit it (device_budgets.py; a no-op unless asked for)."""
+        super()._post_init(cuda_visible_devices)
+        place_self([int(d) for d in cuda_visible_devices.split(",") if d.strip().isdigit()])
+
     def _get_worker_extension_cls(self) -> str:
         return WORKER_EXTENSION
 
