@@ -16,9 +16,13 @@ e.g.   recipes/run.sh tide_grpo_text data.train_files=~/data/gsm8k/train.parquet
 Docs:  docs/recipes.md
 USAGE
 }
-if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
+if [[ $# -ge 1 && ( "$1" == "-h" || "$1" == "--help" ) ]]; then
   usage
-  [[ $# -ge 1 ]] && exit 0 || exit 2
+  exit 0
+fi
+if [[ $# -lt 1 ]]; then
+  usage >&2
+  exit 2
 fi
 recipe="$1"
 shift

@@ -57,7 +57,7 @@ def test_paper_defaults():
         ({"ers": {"min_batch": 0}}, "tide.ers.min_batch = 0", ">= 1"),
         ({"ctb": {"enabled": "yes"}}, "tide.ctb.enabled = 'yes'", "true or false"),
         ({"ctb": {"kv_headroom_frac": 0.5}}, "tide.ctb.kv_headroom_frac", "allowed keys: enabled, kv_headroom"),
-        ({"erss": {}}, "tide.erss", "allowed keys: max_staleness, staleness_strategy, overlap_eval, max_rank_restarts, sample_poll_s, ctb, ra2p, ers, env, metrics"),
+        ({"erss": {}}, "tide.erss", "allowed keys: max_staleness, staleness_strategy, overlap_eval, max_rank_restarts, sample_poll_s, ledger_tolerance, ctb, ra2p, ers, env, metrics"),
         ({"metrics": {"port": 70000}}, "tide.metrics.port = 70000", "0..65535"),
         ({"max_staleness": True}, "tide.max_staleness = True", "integer"),
         ({"staleness_strategy": "skip"}, "tide.staleness_strategy = 'skip'", "drop | wait"),

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from verl_tide.testing.device_budgets import (BUDGET_ENV, ROOT_ENV, BudgetError, JobBudgets, find_hierarchy,
-                                              group_name, place_self, quota_us, visible_devices)
+                                              group_name, place_self, quota_us, remove_stale,
+                                              visible_devices)
 
 BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < {s}: pass\n"
 
@@ -82,3 +83,16 @@ def test_budgets_that_cannot_hold_stop_with_an_error_naming_the_setting(tmp_path
     with pytest.raises(BudgetError, match=ROOT_ENV):
         place_self()
     assert group_name([1, 0]) == "gpu0+1" and group_name([]) == "host"
+
+
+def test_a_killed_jobs_empty_groups_are_removed_when_the_next_job_starts():
+    stale = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
+    stale.place(os.getpid(), [0])  # a job with a process in it is not stale
+    assert stale.rel.split("/")[-1] not in remove_stale()
+    stale.hierarchy.cpu.joinpath("cgroup.procs").write_text(str(os.getpid()))  # the process leaves (v1 root)
+    stale.hierarchy.acct.joinpath("cgroup.procs").write_text(str(os.getpid()))
+    fresh = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
+    try:
+        assert not (stale.hierarchy.cpu / stale.rel).exists()  # its launcher never ran remove(): gone now
+    finally:
+        fresh.remove()

@@ -46,7 +46,7 @@ def sequences(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def worker_group(ray_cpu_cluster, tiny_model_path):
-    import verl_tide.register  # noqa: F401  (the plugin is loaded in the driver too)
+    import verl_tide.register, verl_tide.testing.register  # noqa: F401  (the plugin and test bed, in the driver too)
     from verl_tide.testing.engine import build_training_worker_group
 
     return build_training_worker_group(str(tiny_model_path), world_size=2, lr=1e-2)

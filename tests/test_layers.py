@@ -39,3 +39,18 @@ def test_the_core_folder_imports_nothing_heavy_module_by_module():
 
 def test_pure_policies_import_nothing_heavy():
     assert _heavy_after_importing(POLICIES) == []
+
+
+def test_nothing_outside_the_test_bed_imports_it():
+    """The product (everything in verl_tide but `testing/`) never imports the CPU test bed: a GPU user's processes
+    load none of it. Only `testing/` itself, `tests/` and `benchmarks/` may."""
+    import re
+    from pathlib import Path
+
+    root = Path(verl_tide.__file__).parent
+    pattern = re.compile(r"^\s*(from\s+verl_tide\.testing\b|import\s+verl_tide\.testing\b|from\s+verl_tide\s+import\s+"
+                         r"(\w+,\s*)*testing\b)", re.M)
+    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
+                 if "testing" not in p.relative_to(root).parts[:1] and pattern.search(p.read_text())]
+    assert not offenders, offenders
+    assert pattern.search("    from verl_tide.testing.tiny_model import x\n")  # the check would see one

@@ -100,3 +100,32 @@ def test_the_ledger_check_compares_settled_and_held_groups_with_the_submitted_on
     assert "1 groups settled + 1 held in the buffer != 3 submitted" in ledger.check(held=1)
     assert ledger.check(held=3) is not None
     assert ledger.check(held=-1) is not None
+
+
+def test_an_imbalance_is_a_metric_and_past_the_tolerance_stops_the_job_with_the_counts(capsys):
+    """trainer tide's boundary report (`trainer/reporting.ledger_metrics`) against a replay buffer that holds one
+    group fewer than the ledger thinks: the metric says -1... +1, and with no tolerance the job stops."""
+    from verl_tide.core.ledger import LedgerImbalanceError
+    from verl_tide.trainer.reporting import ledger_metrics
+
+    class Buffer:  # what the report reads of trainer tide's replay buffer: groups held in TransferQueue
+        stamped = {"at_finish": 3}
+
+        def __init__(self, held: int):
+            self.held = held
+
+        def groups_held(self) -> int:
+            return self.held
+
+    ledger = GoodputLedger(clock=lambda: 0.0)
+    ledger.groups_submitted(3)
+    ledger.group_ready("a", 2, 10)
+    ledger.settle("a", Outcome.CONSUMED)
+    m = ledger_metrics(ledger, Buffer(2), step=1)
+    assert m["tide/ledger/imbalance"] == 0 and m["tide/ledger/groups_held"] == 2
+    # a group lost without an outcome: submitted 3, settled 1, held 1
+    m = ledger_metrics(ledger, Buffer(1), step=2, tolerance=1)
+    assert m["tide/ledger/imbalance"] == 1 and "does not balance" in capsys.readouterr().out
+    with pytest.raises(LedgerImbalanceError, match=r"step 3: .*1 groups settled \+ 1 held in the buffer != 3 "
+                                                   r"submitted.*consumed 1.*tide.ledger_tolerance = 0"):
+        ledger_metrics(ledger, Buffer(1), step=3)

@@ -23,7 +23,7 @@ def _log_probs(wg, seqs):
 
 @pytest.fixture(scope="module")
 def wg(ray_cpu_cluster, tiny_model_path):
-    import verl_tide.register  # noqa: F401
+    import verl_tide.register, verl_tide.testing.register  # noqa: F401
     from verl_tide.testing.engine import build_training_worker_group
 
     return build_training_worker_group(str(tiny_model_path), world_size=2, lr=1e-2)  # both fake GPUs

@@ -44,7 +44,7 @@ def test_recipe_composes_and_passes_the_start_up_checks(name, tmp_path):
     from verl.utils.config import omega_conf_to_dataclass
 
     from verl_tide.job_config import tide_config_from_job
-    from verl_tide.trainer import check_layout
+    from verl_tide.job_config import check_layout
 
     cfg = OmegaConf.create(job)
     tide_config_from_job(cfg)  # raises TideConfigError naming any bad key
@@ -60,6 +60,8 @@ def test_recipe_composes_and_passes_the_start_up_checks(name, tmp_path):
 
 def test_run_sh_without_a_recipe_lists_them(tmp_path):
     proc = subprocess.run(["bash", str(RECIPES / "run.sh")], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: recipes/run.sh RECIPE")
     for name in NAMES:
         assert name in proc.stderr
+    helped = subprocess.run(["bash", str(RECIPES / "run.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "docs/recipes.md" in helped.stdout

@@ -88,8 +88,8 @@ def test_importing_the_plugin_reassigns_no_attribute_of_verl_vllm_sglang_or_ray(
                     for attr, value in list(vars(mod).items())}
         before = snapshot()
         import os
-        os.environ["VERL_PLATFORM"] = "cpu"  # also load the CPU test bed's registrations
-        import verl_tide, verl_tide.register, verl_tide.trainer, verl_tide.hydra_callback
+        os.environ["VERL_PLATFORM"] = "cpu"  # also load the CPU test bed's registrations (its own entry point)
+        import verl_tide, verl_tide.register, verl_tide.testing.register, verl_tide.trainer, verl_tide.hydra_callback
         import hydra_plugins.verl_tide_searchpath
         import verl_tide.testing.platform, verl_tide.testing.vllm_cpu, verl_tide.testing.vllm_cpu_engine
         after = snapshot()
@@ -150,3 +150,32 @@ def test_cpu_platform_is_registered_only_when_selected(tmp_path, selected, expec
         **env,
     )
     assert f"cpu platform: {expected}" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_the_products_entry_point_imports_nothing_of_the_test_bed(tmp_path):
+    """`verl_tide.register` (what a GPU user's processes load) never imports `verl_tide.testing`; the test bed
+    registers through its own entry point, and importing trainer `tide`'s package registers nothing."""
+    proc = _python(
+        """
+        import sys, verl
+        import verl.trainer.ppo.v1.trainer_base  # the registry: verl_tide.register registers trainer tide now
+        import verl_tide.register, verl_tide.trainer
+        from verl.trainer.ppo.v1 import get_trainer_cls
+        print("tide:", get_trainer_cls("tide").__name__)
+        print("testing:", sorted(m for m in sys.modules if m.startswith("verl_tide.testing")))
+        """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="tide",  # only the product's entry point, as a user may pick
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tide: TideTrainer" in proc.stdout and "testing: []" in proc.stdout, proc.stdout
+    proc = _python(
+        """
+        import verl_tide.trainer, verl_tide.trainer.tide
+        from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+        print("registered on import:", "tide" in TRAINER_REGISTRY)
+        """,
+        tmp_path,
+        VERL_USE_EXTERNAL_PLUGINS="none",
+    )
+    assert "registered on import: False" in proc.stdout, proc.stderr[-3000:]

@@ -97,6 +97,7 @@ def test_the_goodput_ledger_accounts_for_every_group(tide_run):
         # In flight counted in TransferQueue (groups the replay buffer holds), not derived from the ledger
         assert m["tide/ledger/groups_held"] >= 0, m
         assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
+        assert m["tide/ledger/imbalance"] == 0, m  # the metric a dashboard alerts on
         assert m["tide/ledger/groups_held"] == m["tide/ledger/groups_in_flight"], m
         # Readiness: each group stamped when CTB's router saw its last trajectory finish (a group whose finish
         # reached the router after verl's poll falls back to the poll time, counted)
@@ -366,6 +367,7 @@ def _check_ers_run(run, kl_job):
         settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                             "dropped_failed"))
         assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
+        assert m["tide/ledger/imbalance"] == 0, m  # the metric a dashboard alerts on
     assert third["tide/ledger/groups_consumed"] == STEPS * kl_job.train_batch_size
 
 
@@ -658,6 +660,7 @@ def test_ctb_disabled_gives_verls_stock_routing_and_ers_elastic_batch_trains_few
         settled = sum(m[f"tide/ledger/groups_{o}"] for o in ("consumed", "dropped_stale", "dropped_filtered",
                                                             "dropped_failed"))
         assert settled + m["tide/ledger/groups_held"] == m["tide/ledger/groups_submitted"], m
+        assert m["tide/ledger/imbalance"] == 0, m  # the metric a dashboard alerts on
     # max_staleness=0: what was ready but generated for an older version went, counted in groups and tokens
     m = steps[2]
     assert m["tide/ledger/groups_dropped_stale"] > 0 and m["tide/ledger/tokens_dropped_stale"] > 0, m

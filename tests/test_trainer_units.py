@@ -115,7 +115,7 @@ def test_ers_ideal_batch_is_counted_in_sequences_like_the_ready_volume():
     from omegaconf import OmegaConf
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.trainer import ideal_batch
+    from verl_tide.trainer.tide import ideal_batch
 
     job = OmegaConf.create({"data": {"train_batch_size": 16}, "actor_rollout_ref": {"rollout": {"n": 8}}})
     assert ideal_batch(parse_tide_config({}), job) == 128

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         print(out)
         return 0
     if args.command == "tasks":
-        from verl_tide.testing.tiny_model import write_env_task_parquet
+        from verl_tide.env.tasks import write_env_task_parquet
 
         if args.n <= 0:
             parser.error(f"--n {args.n}: must be > 0")

@@ -5,9 +5,8 @@
   trainer (vLLM engines, reward workers) do not pay for importing the trainer stack.
   Likewise the agent loops `tide_env_agent`, `tide_single_turn_agent` and `tide_tool_agent`, when verl
   imports its agent-loop registry.
-- Only when the CPU test bed is selected (`VERL_PLATFORM=cpu`): the test bed's CPU platform
-  (now, before verl resolves its platform) and its vLLM-CPU rollout (when verl imports the
-  rollout replica registry).
+The CPU test bed (`verl_tide.testing`) registers its platform and vLLM-CPU rollout through an entry point of
+its own (`verl_tide.testing.register`); nothing here imports it.
 All of it goes through verl's registries; no verl attribute is reassigned.
 
 verl logs entry-point failures at DEBUG only, so every failure here is written to stderr
@@ -25,17 +24,12 @@ from types import ModuleType
 from verl_tide.import_hooks import when_imported
 
 TRAINER_REGISTRY_MODULE = "verl.trainer.ppo.v1.trainer_base"
-ROLLOUT_REGISTRY_MODULE = "verl.workers.rollout.replica"
 AGENT_LOOP_REGISTRY_MODULE = "verl.experimental.agent_loop.agent_loop"
 
 REGISTRATION_ERRORS: list[str] = []
 
 
-def cpu_test_bed_selected() -> bool:
-    return os.environ.get("VERL_PLATFORM", "").strip().lower() == "cpu"
-
-
-def _loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
+def loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
     """Run one registration; on failure say so on stderr.
 
     Inside a post-import hook the error is not re-raised: that would fail verl's own import
@@ -52,44 +46,29 @@ def _loudly(what: str, fn: Callable[[], None], reraise: bool) -> None:
             raise
 
 
-def _register_trainer(_: ModuleType) -> None:
+def _register_trainer(registry: ModuleType) -> None:
     def go() -> None:
-        import verl_tide.trainer  # noqa: F401  (@register_trainer("tide") runs on import)
+        from verl_tide.job_config import TRAINER_MODE
+        from verl_tide.trainer.tide import TideTrainer
 
-    _loudly("registering trainer 'tide'", go, reraise=False)
+        registry.register_trainer(TRAINER_MODE)(TideTrainer)
+
+    loudly("registering trainer 'tide'", go, reraise=False)
 
 
 def _register_env_agent_loop(_: ModuleType) -> None:
     def go() -> None:
         import verl_tide.env.agent_loop  # noqa: F401  (@register("tide_env_agent") runs on import)
 
-    _loudly("registering agent loop 'tide_env_agent'", go, reraise=False)
+    loudly("registering agent loop 'tide_env_agent'", go, reraise=False)
 
     def stock_variants() -> None:
         import verl_tide.ctb.agent_loops  # noqa: F401  (tide_single_turn_agent, tide_tool_agent)
 
-    _loudly("registering agent loops 'tide_single_turn_agent' and 'tide_tool_agent'", stock_variants, reraise=False)
-
-
-def _register_cpu_rollout(_: ModuleType) -> None:
-    def go() -> None:
-        from verl_tide.testing.vllm_cpu import register_vllm_cpu_rollout
-
-        register_vllm_cpu_rollout()
-
-    _loudly("registering the CPU test bed's vLLM-CPU rollout", go, reraise=False)
+    loudly("registering agent loops 'tide_single_turn_agent' and 'tide_tool_agent'", stock_variants, reraise=False)
 
 
 def _register() -> None:
-    if cpu_test_bed_selected():
-
-        def platform() -> None:
-            from verl_tide.testing.platform import register_cpu_platform
-
-            register_cpu_platform()
-
-        _loudly("registering the CPU test bed platform", platform, reraise=True)
-        when_imported(ROLLOUT_REGISTRY_MODULE, _register_cpu_rollout)
     when_imported(TRAINER_REGISTRY_MODULE, _register_trainer)
     when_imported(AGENT_LOOP_REGISTRY_MODULE, _register_env_agent_loop)
 

@@ -238,6 +238,11 @@ class TideConfig:
         default=0.2, metadata=_check(lambda x: 0 < x <= 10, "> 0 and <= 10", "seconds between two looks of the "
                                      "trainer's sampler at TransferQueue for ready groups (verl's own: 2 s)")
     )
+    ledger_tolerance: int = field(
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0", "groups the goodput ledger may be out of balance at a "
+                                   "step boundary (settled + held in TransferQueue against submitted) before the "
+                                   "job stops with the counts; tide/ledger/imbalance reports it every step")
+    )
     ctb: CTBConfig = field(default_factory=CTBConfig)
     ra2p: RA2PConfig = field(default_factory=RA2PConfig)
     ers: ERSConfig = field(default_factory=ERSConfig)

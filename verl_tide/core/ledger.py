@@ -21,6 +21,10 @@ class Outcome(str, Enum):
     DROPPED_FAILED = "dropped_failed"
 
 
+class LedgerImbalanceError(RuntimeError):
+    """The goodput ledger is out of balance past `tide.ledger_tolerance`: groups were lost or counted twice."""
+
+
 @dataclass
 class _Group:
     samples: int
@@ -89,14 +93,18 @@ class GoodputLedger:
         with the groups the replay buffer really holds."""
         return self.submitted - self.settled_groups
 
+    def imbalance(self, held: int) -> int:
+        """Submitted groups neither settled nor held (`held`: counted in TransferQueue by the replay buffer);
+        negative when more are accounted for than were submitted. 0 when the ledger balances."""
+        return self.submitted - self.settled_groups - held
+
     def check(self, held: int) -> Optional[str]:
-        """None when every submitted group is settled or held (`held`: counted in TransferQueue by the replay
-        buffer); else what does not add up. A group lost without an outcome, settled twice or counted under the
-        wrong uid shows here."""
+        """None when every submitted group is settled or held; else what does not add up. A group lost without an
+        outcome, settled twice or counted under the wrong uid shows here."""
         settled = self.settled_groups
-        if held < 0 or settled + held != self.submitted:
+        if held < 0 or self.imbalance(held):
             return (f"goodput ledger does not balance: {settled} groups settled + {held} held in the buffer "
-                    f"!= {self.submitted} submitted")
+                    f"!= {self.submitted} submitted ({', '.join(f'{o.value} {n}' for o, n in self.groups.items())})")
         return None
 
     def goodput(self, now: Optional[float] = None) -> float:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+# how a task ended: the goodput ledger's outcomes, one enum for CTB, the ledger and the simulator
+from verl_tide.core.ledger import Outcome  # noqa: F401  (re-exported for CTB's modules)
+
 TaskId = Hashable
 RankId = Hashable
 
@@ -17,11 +20,6 @@ class TaskState(str, Enum):
     PAUSED = "paused"  # taken off its rank at a turn boundary; holds no budget
     DONE = "done"  # finished (consumed, dropped stale or dropped failed)
 
-
-class Outcome(str, Enum):
-    CONSUMED = "consumed"
-    DROPPED_STALE = "dropped_stale"
-    DROPPED_FAILED = "dropped_failed"
 
 
 @dataclass

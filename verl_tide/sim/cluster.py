@@ -27,14 +27,14 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
+from enum import Enum
 from typing import Optional
 
 from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
-from verl_tide.core.ledger import GoodputLedger
-from verl_tide.core.ledger import Outcome as LedgerOutcome
+from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
-from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
+from verl_tide.ctb.policy import CTBScheduler, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdvisor
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  mini_batch_cost, split_cost, streaming_swap_cost)
@@ -45,6 +45,16 @@ from verl_tide.sim.hardware import Costs, Hardware
 from verl_tide.sim.records import CONSUME_MODES, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
 from verl_tide.sim.stock import StepWaits, hybrid_switch
 from verl_tide.sim.workload import Workload
+
+
+class SyncPhase(Enum):
+    """verl sync's cycle: [evaluation rollout] -> the batch's rollout starts -> rollout -> (train) -> start."""
+
+    START = "start"
+    EVAL = "eval"
+    ROLLOUT_BEGIN = "rollout_begin"
+    ROLLOUT = "rollout"
+
 
 class Simulation(PlannerSide):
     def __init__(self, workload: Workload, gpus: int, spec: SystemSpec, hw: Hardware = Hardware(),
@@ -217,7 +227,7 @@ class Simulation(PlannerSide):
         if tr.group.is_eval:
             self.stats["eval_failed_sequences"] += 1
         else:
-            self.ledger.settle(tr.tid, LedgerOutcome.DROPPED_FAILED, samples=1, tokens=tr.generated)
+            self.ledger.settle(tr.tid, Outcome.DROPPED_FAILED, samples=1, tokens=tr.generated)
         self._group_progress(tr.group)
 
     def _turn_finished(self, tr: Traj) -> None:
@@ -489,23 +499,23 @@ class Simulation(PlannerSide):
         if self.t < self.phase_end or self.consumed_steps >= self.w.steps:
             return
         st = self._sync_state
-        if st == "start":
+        if st is SyncPhase.START:
             if self.w.is_eval_step(self.consumed_steps):
                 self._release_eval()
-                self._sync_state = "eval"
+                self._sync_state = SyncPhase.EVAL
                 return
-            st = self._sync_state = "rollout_begin"
-        if st == "eval":
+            st = self._sync_state = SyncPhase.ROLLOUT_BEGIN
+        if st is SyncPhase.EVAL:
             if any(g.done + g.failed < g.size for g in self.eval_pending):
                 return
-            self._sync_state = st = "rollout_begin"
-        if st == "rollout_begin":
+            self._sync_state = st = SyncPhase.ROLLOUT_BEGIN
+        if st is SyncPhase.ROLLOUT_BEGIN:
             per_step = self.w.groups_for(self.gpus)
             for _ in range(per_step):
                 self._new_group(self.consumed_steps, self.w.group_size)
-            self._sync_state = "rollout"
+            self._sync_state = SyncPhase.ROLLOUT
             return
-        if st == "rollout":
+        if st is SyncPhase.ROLLOUT:
             if len(self.ready) + sum(mb[2] for mb in self.micro_batches) < self.B - self._failed_this_step():
                 return
             self._form_micro_batches()
@@ -525,7 +535,7 @@ class Simulation(PlannerSide):
             self.consumed_steps += 1
             self.step_records.append(StepRecord(self.consumed_steps, self._rollout_started, end, len(mbs), 0,
                                                 "sync", len(self.ranks), 0))
-            self._sync_state = "start"
+            self._sync_state = SyncPhase.START
             self._rollout_started = self.phase_end
             if self.progress:
                 self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s")
@@ -534,7 +544,7 @@ class Simulation(PlannerSide):
         """The update took these micro-batches: each sequence settles as consumed in the goodput ledger."""
         for mb in mbs:
             for tid in mb[4]:
-                self.ledger.settle(tid, LedgerOutcome.CONSUMED)
+                self.ledger.settle(tid, Outcome.CONSUMED)
 
     def sequences_held(self) -> int:
         """Training sequences generating, or ready and not consumed, counted from the simulation's own state
@@ -551,7 +561,7 @@ class Simulation(PlannerSide):
     def run(self, max_sim_s: float = 1e6) -> Result:
         self._pending_after_sync = None
         self._post_update = None
-        self._sync_state = "start"
+        self._sync_state = SyncPhase.START
         self._rollout_started = 0.0
         if not self.spec.sync:
             if self.w.is_eval_step(0):
@@ -612,7 +622,7 @@ class Simulation(PlannerSide):
         if self.t < rr.paused_until:
             return True
         if self.spec.sync:  # idle at the barrier; during the train phase these GPUs train
-            return self._sync_state in ("rollout", "eval") and self.t >= self.phase_end
+            return self._sync_state in (SyncPhase.ROLLOUT, SyncPhase.EVAL) and self.t >= self.phase_end
         if self.ctb is not None and self.ctb.count(TaskState.QUEUED):  # as CTB's router counts out-of-work time
             return False
         return self.throttled
@@ -624,17 +634,17 @@ class Simulation(PlannerSide):
                         (not t.group.is_eval and t.group.step >= self.consumed_steps))
         return Result(
             system=self.spec.name, gpus=self.gpus, rollout_ratio=None if self.spec.sync else self.spec.rollout_ratio,
-            goodput_tok_s=self.ledger.tokens[LedgerOutcome.CONSUMED] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
+            goodput_tok_s=self.ledger.tokens[Outcome.CONSUMED] / makespan, rwt_s=self.rwt_gpu_s / self.gpus,
             twt_s=self.twt_gpu_s / self.gpus, rwt_sync_s=self.rwt_sync_gpu_s / self.gpus,
             twt_in_step_s=self.twt_in_step_gpu_s / self.gpus, kv_hit_rate=hits / prompts if prompts else 0.0,
             step_time_s=makespan / max(1, self.consumed_steps), makespan_s=makespan,
-            consumed_tokens=self.ledger.tokens[LedgerOutcome.CONSUMED], ledger=self._ledger_report(in_flight),
+            consumed_tokens=self.ledger.tokens[Outcome.CONSUMED], ledger=self._ledger_report(in_flight),
             steps=[vars(s) for s in self.step_records], split_advice=self.split_advice,
             twt_ref_idle_s=self.ref_idle_gpu_s / self.gpus)
 
     def _ledger_report(self, in_flight_tokens: int) -> dict:
         """The bench JSON's `ledger`: the goodput ledger's outcomes and the simulator's token statistics."""
-        ledger, c, f = self.ledger, LedgerOutcome.CONSUMED, LedgerOutcome.DROPPED_FAILED
+        ledger, c, f = self.ledger, Outcome.CONSUMED, Outcome.DROPPED_FAILED
         return {"consumed_tokens": ledger.tokens[c], "consumed_sequences": ledger.samples[c],
                 "eval_tokens": self.stats["eval_tokens"], "dropped_failed_tokens": ledger.tokens[f],
                 "dropped_failed_sequences": ledger.samples[f], "regenerated_tokens": self.stats["regenerated_tokens"],

@@ -105,6 +105,10 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             label = f"verl separate_async {job.n_gpus - rollout}T/{rollout}R" + (" + hybrid switch" if switch else "")
             out.append(System(label, (*split, f"trainer.v1.separate_async.hybrid_rollout.enable_switch={switch}"),
                               rollout))
+        if attribution:  # the control: the same stock mode looking for ready groups every 0.2 s, as tide does
+            out.append(System(f"{WHAT_IF}verl separate_async {job.n_gpus - rollout}T/{rollout}R + hybrid switch, "
+                              "0.2 s poll", (*split, "trainer.v1.separate_async.hybrid_rollout.enable_switch=True",
+                                             *fast_poll_overrides("separate_async")), rollout))
     # tide as a user gets it: `+tide=enabled` with its defaults (tide.ers.lend_actor=auto: the Actor's GPUs roll
     # out as ERS decides, unless the job has a Ref model)
     def tide_at(rollout: int) -> tuple[str, ...]:

@@ -119,6 +119,7 @@ class JobBudgets:
             raise BudgetError(f"{BUDGET_ENV} = {cores_per_gpu}: {n_gpus} fake GPUs x {cores_per_gpu} cores + host "
                               f"{host:g} must fit in the machine's {total:g} cores with host > 0")
         h = find_hierarchy()
+        remove_stale(h)
         jb = cls(h, f"{PREFIX}/{job or uuid.uuid4().hex[:12]}", cores_per_gpu, host)
         for d in {h.cpu, h.acct}:
             try:
@@ -219,6 +220,23 @@ class JobBudgets:
                 (base / PREFIX).rmdir()  # the last job's: cgroup directories go by rmdir, never by unlinking files
             except OSError:
                 pass  # another job's groups are still there
+
+
+def remove_stale(h: Optional[Hierarchy] = None) -> list[str]:
+    """Delete the groups of jobs that left no process behind (a launcher killed before its cleanup ran); returns
+    their names. A job with a process still in any of its groups is left alone."""
+    h = h or find_hierarchy()
+    base = h.cpu / PREFIX
+    removed = []
+    for job in sorted(base.iterdir()) if base.exists() else []:
+        if not job.is_dir():
+            continue
+        groups = [job, *(p for p in job.rglob("*") if p.is_dir())]
+        if any((g / "cgroup.procs").read_text().strip() for g in groups if (g / "cgroup.procs").exists()):
+            continue
+        JobBudgets(h, f"{PREFIX}/{job.name}", 0.0, 0.0).remove()
+        removed.append(job.name)
+    return removed
 
 
 def visible_devices(env: Optional[dict] = None) -> list[int]:

@@ -1,7 +1,7 @@
 """A CPU platform for verl, registered through verl's `PlatformRegistry` (test bed only).
 
 Selected by `VERL_PLATFORM=cpu` in every process (put it in
-`ray_kwargs.ray_init.runtime_env.env_vars`); `verl_tide.register` registers it only then,
+`ray_kwargs.ray_init.runtime_env.env_vars`); `verl_tide.testing.register` registers it only then,
 so on a GPU machine nothing here is imported.
 
 verl has no CPU platform upstream. This one runs verl's FSDP engine on gloo and places

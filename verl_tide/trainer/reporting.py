@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
-from verl_tide.core.ledger import GoodputLedger, Outcome
+from verl_tide.core.ledger import GoodputLedger, LedgerImbalanceError, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
 from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
 from verl_tide.ers.policy import Role
@@ -215,15 +215,21 @@ class SplitAdviceReport:
             return 0.0
 
 
-def ledger_metrics(ledger: GoodputLedger, buffer: TideReplayBuffer, step: int) -> dict[str, float]:
+def ledger_metrics(ledger: GoodputLedger, buffer: TideReplayBuffer, step: int,
+                   tolerance: int = 0) -> dict[str, float]:
     """The ledger at a boundary, checked against the groups TransferQueue holds (counted there, not derived from
-    the ledger), and where the replay buffer's ready times came from; an imbalance is printed."""
+    the ledger), and where the replay buffer's ready times came from. The imbalance is a metric
+    (`tide/ledger/imbalance`, what a dashboard alerts on); past `tolerance` groups it stops the job with the counts."""
     held = buffer.groups_held()
-    m: dict[str, float] = {**ledger.snapshot(), "tide/ledger/groups_held": float(held)}
+    m: dict[str, float] = {**ledger.snapshot(), "tide/ledger/groups_held": float(held),
+                           "tide/ledger/imbalance": float(ledger.imbalance(held))}
     m.update({f"tide/readiness/groups_stamped_{k}": float(v) for k, v in buffer.stamped.items()})
-    imbalance = ledger.check(held)
-    if imbalance:
-        print(f"verl-tide step {step} WARNING: {imbalance}", flush=True)
+    problem = ledger.check(held)
+    if problem:
+        print(f"verl-tide step {step} WARNING: {problem}", flush=True)
+        if abs(ledger.imbalance(held)) > tolerance or held < 0:
+            raise LedgerImbalanceError(f"step {step}: {problem}; more than tide.ledger_tolerance = {tolerance} "
+                                       "group(s): tokens would go unaccounted, so the job stops")
     return m
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
-from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
 from verl.utils.profiler import marked_timer
 
@@ -57,7 +56,6 @@ def ideal_batch(tide_config: Any, config: DictConfig) -> int:
         config.actor_rollout_ref.rollout.get("n", 1))
 
 
-@register_trainer(TRAINER_MODE)
 class TideTrainer(PPOTrainerSeparateAsync):
     ideal_batch = staticmethod(ideal_batch)
 
@@ -382,7 +380,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
             ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
         signals, plan, self._lend = decision.signals, decision.plan, decision.lend
-        m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps)
+        m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps, tide.ledger_tolerance)
         if self._lend is not None:
             m.update(lending.decision_metrics(self._lend))
             print(f"verl-tide step {self.global_steps}: ERS {'lends' if self._lend.lend else 'keeps'} the Actor's GPU "
