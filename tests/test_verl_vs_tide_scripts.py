@@ -14,24 +14,33 @@ HERE = Path(__file__).resolve().parent.parent / "benchmarks" / "verl_vs_tide"
 
 
 @pytest.mark.verl_process
-def test_dry_run_prints_three_comparable_jobs():
-    env = {**os.environ, "GPUS": "8", "ROLLOUT_GPUS": "2", "STEPS": "5", "PYTHON": sys.executable}
-    out = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "data.train_batch_size=64"], env=env,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    lines = {line.split("]")[0].lstrip("["): line for line in out.stdout.splitlines()}
-    assert set(lines) == {"verl_sync", "verl_separate_async", "tide"}
-    assert "trainer.n_gpus_per_node=8" in lines["verl_sync"] and "trainer_mode=sync" in lines["verl_sync"]
-    for name in ("verl_separate_async", "tide"):
-        assert "trainer.n_gpus_per_node=6" in lines[name]
-        assert "actor_rollout_ref.rollout.n_gpus_per_node=2" in lines[name]
-        assert "checkpoint_engine.backend=nccl" in lines[name]
-    assert "+tide=enabled" in lines["tide"]
-    # one staleness bound: a lag of one version is tide.max_staleness=1 and verl's threshold 2 (versions spanned)
-    assert "tide.max_staleness=1" in lines["tide"]
-    assert "trainer.v1.sampler.max_off_policy_threshold=2" in lines["verl_separate_async"]
-    for line in lines.values():  # the same user overrides and steps everywhere
+def test_dry_run_composes_and_validates_three_comparable_jobs_from_a_recipe():
+    env = {**os.environ, "GPUS_PER_NODE": "8", "ROLLOUT_GPUS": "2", "STEPS": "5", "PYTHON": sys.executable}
+    out = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "data.train_batch_size=64",
+                          "tide.env.url=http://127.0.0.1:1"], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    commands = {line.split("]")[0].lstrip("["): line for line in out.stdout.splitlines() if " -m verl.trainer" in line}
+    assert set(commands) == {"verl_sync", "verl_separate_async_switch", "tide"}
+    for name, line in commands.items():  # every job from the recipe, composed and validated without launching
+        assert "--config-name tide_grpo_env_service" in line
+        assert f"[{name}] OK: the job composes and validates" in out.stdout
         assert "data.train_batch_size=64" in line and "trainer.total_training_steps=5" in line
+    assert "trainer.n_gpus_per_node=8" in commands["verl_sync"] and "trainer_mode=sync" in commands["verl_sync"]
+    for name in ("verl_separate_async_switch", "tide"):
+        assert "trainer.n_gpus_per_node=6" in commands[name]
+        assert "actor_rollout_ref.rollout.n_gpus_per_node=2" in commands[name]
+        assert "checkpoint_engine.backend=nccl" in commands[name]
+    assert "enable_switch=true" in commands["verl_separate_async_switch"]
+    for name in ("verl_sync", "verl_separate_async_switch"):  # stock: the recipe without tide/enabled.yaml
+        assert "~tide" in commands[name] and "++tide.env.url=" in commands[name]
+    # one staleness bound: a lag of one version is tide.max_staleness=1 and verl's threshold 2 (versions spanned)
+    assert "tide.max_staleness=1" in commands["tide"]
+    assert "trainer.v1.sampler.max_off_policy_threshold=2" in commands["verl_separate_async_switch"]
+    # a bad value is caught in the dry run, every job still attempted and reported
+    bad = subprocess.run(["bash", str(HERE / "run.sh"), "--dry-run", "tide.ctb.kv_headroom=3"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stdout.count("tide.ctb.kv_headroom = 3: must be 0 < x <= 1") == 3
+    assert "[tide] FAILED (exit 1)" in bad.stdout and "[verl_sync] FAILED (exit 1)" in bad.stdout
 
 
 def _log(path: Path, steps: list[tuple[float, float]]) -> None:
