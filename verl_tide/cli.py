@@ -75,6 +75,27 @@ def main(argv: list[str] | None = None) -> int:
                      help="a config directory (as main_ppo's --config-path, e.g. recipes); default: verl's own")
     chk.add_argument("--config-name", default=None, help="the config in it (default: verl's ppo_trainer)")
 
+    pl = sub.add_parser("plan", formatter_class=fmt,
+                        help="predict a job's goodput under verl sync, stock async at each split and +tide=enabled "
+                             "(simulated), with the split to start at and its overrides")
+    pl.add_argument("overrides", nargs="*",
+                    help="the job's main_ppo overrides it reads: trainer.nnodes/n_gpus_per_node, rollout "
+                         "nnodes/n_gpus_per_node, data.train_batch_size, actor_rollout_ref.rollout.n, "
+                         "data.max_response_length, ...multi_turn.max_assistant_turns, tide.max_staleness, "
+                         "actor_rollout_ref.model.path (a local directory with config.json)")
+    pl.add_argument("--workload", default="webshop",
+                    help="the environment's shape: a preset (webshop | alfworld | osworld | sciboard) or a workload "
+                         "YAML in the bench's schema (turns, tokens per turn, environment latency)")
+    pl.add_argument("--hardware", default="h100", help="h100 | h200 (published figures)")
+    pl.add_argument("--gpus", type=int, default=None, help="all GPUs, when the overrides give no layout")
+    pl.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the workload's)")
+    pl.add_argument("--model-params-b", type=float, default=None, help="the model's parameters (billions), "
+                    "instead of reading actor_rollout_ref.model.path")
+    pl.add_argument("--kv-bytes-per-token", type=int, default=None, help="with --model-params-b: KV cache bytes "
+                    "per token (2 x layers x KV heads x head dim x 2 bytes)")
+    pl.add_argument("--json", default=None, metavar="PATH", help="write the prediction as JSON")
+    pl.add_argument("--plot", default=None, metavar="PATH", help="write goodput by split as a PNG")
+
     bench = sub.add_parser("bench", formatter_class=fmt,
                            help="simulate stock verl baselines and TideRL on a modeled GPU cluster")
     bench.add_argument("--workload", default="webshop",
@@ -105,6 +126,17 @@ def main(argv: list[str] | None = None) -> int:
             return run_bench(args.workload, args.gpus, args.json, args.plot, args.seed, args.steps, args.quiet,
                              args.min_batch, args.ablation)
         except (WorkloadError, BenchError) as e:
+            parser.error(str(e))
+    if args.group == "plan":
+        from verl_tide.sim.plan import PlanError, main as run_plan
+        from verl_tide.sim.workload import WorkloadError
+
+        if args.steps is not None and args.steps < 1:
+            parser.error(f"--steps {args.steps}: must be >= 1")
+        try:
+            return run_plan(args.overrides, args.workload, args.hardware, args.gpus, args.steps, args.model_params_b,
+                            args.kv_bytes_per_token, args.json, args.plot)
+        except (PlanError, WorkloadError) as e:
             parser.error(str(e))
     if args.group == "check":
         from verl_tide.check import main as run_check
