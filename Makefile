@@ -10,7 +10,7 @@ XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 OPENENV_VENV ?= .venv-openenv
 OPENENV_STAMP := $(OPENENV_VENV)/.verl-tide-installed
 
-.PHONY: venv openenv-venv test test-fast demo bench lock gpu-resolve dist clean
+.PHONY: venv openenv-venv test test-fast demo bench lock gpu-resolve dist release-check clean
 
 venv: $(STAMP)
 
@@ -61,5 +61,15 @@ gpu-resolve:
 	  v = {i['metadata']['name']: i['metadata']['version'] for i in r['install']}; \
 	  print('resolves:', ', '.join(f'{n} {v[n]}' for n in ('verl', 'vllm', 'torch', 'transformers')))"
 
+## verl-tide's sdist and wheel in dist/ (PEP 517, setuptools).
+dist:
+	rm -rf dist && mkdir -p dist
+	python3 -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+
+## The release check: the wheel installed into a clean virtual environment beside verl 0.9.1 (CPU set), then
+## `main_ppo +tide=enabled --cfg job` and `verl-tide check` run from it (a few minutes; not in CI).
+release-check:
+	bash scripts/release-check.sh
+
 clean:
-	rm -rf $(VENV) $(OPENENV_VENV) build *.egg-info .pytest_cache outputs
+	rm -rf $(VENV) $(OPENENV_VENV) .venv-release build dist *.egg-info .pytest_cache outputs
