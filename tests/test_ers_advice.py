@@ -89,3 +89,18 @@ def test_weight_kv_tokens_from_a_hugging_face_config():
 def test_the_signals_dataclass_keeps_the_fields_the_advice_reads():
     fields = {f.name for f in dataclasses.fields(ReadinessSignals)}
     assert {"rollout_kv_bound", "rollout_decode_context", "cycle_s"} <= fields
+
+
+def test_the_advice_cycle_skips_evaluation_cycles_and_says_when_the_standing_split_changes():
+    """The one place trainer tide and the simulator take the split advice (`SplitAdviceCycle`)."""
+    from verl_tide.ers.advice import SplitAdviceCycle
+
+    cycle = SplitAdviceCycle(eval_in_first_cycle=True)
+    assert not cycle.update(_signals(), 4, 12, 400, None, 0.5, eval_next=False)  # an evaluation's cycle: none
+    assert cycle.standing is None and cycle.last is None
+    assert not cycle.update(_signals(), 4, 12, 400, None, 0.5, eval_next=False)  # one cycle does not decide it
+    assert cycle.update(_signals(), 4, 12, 400, None, 0.5, eval_next=True)  # confirmed: the standing split changed
+    assert cycle.standing is not None and cycle.last is cycle.standing
+    assert not cycle.update(_signals(), 4, 12, 400, None, 0.5, eval_next=False)  # eval cycle: the standing stays
+    assert cycle.standing is not None
+    assert not cycle.update(_signals(), 0, 12, 400, None, 0.5, eval_next=False)  # no rollout rank: no advice

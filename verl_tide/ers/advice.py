@@ -126,6 +126,36 @@ class SplitAdvisor:
         return self.standing
 
 
+class SplitAdviceCycle:
+    """The split advice once per training cycle, as trainer `tide` and the simulator both take it: none from a
+    cycle whose rollout also ran an evaluation (it starves the trainer by design) or that had no rollout rank;
+    `standing` is the advisor's (what the metrics report), `last` the latest that ever stood (what a run ends
+    with)."""
+
+    def __init__(self, eval_in_first_cycle: bool = False):
+        self.advisor = SplitAdvisor()
+        self.eval_in_cycle = eval_in_first_cycle
+        self.last: Optional[SplitAdvice] = None
+
+    @property
+    def standing(self) -> Optional[SplitAdvice]:
+        return self.advisor.standing
+
+    def update(self, signals: ReadinessSignals, rollout_gpus: int, trainer_gpus: int, batch: int,
+               weight_kv_tokens: Optional[float], kv_bound_min: float, eval_next: bool,
+               gpus_per_replica: int = 1) -> bool:
+        """This cycle's advice; True when the standing advice changed to a new split (worth a log line)."""
+        changed = False
+        if not self.eval_in_cycle and rollout_gpus >= 1:
+            before = self.advisor.standing
+            advice = self.advisor.update(advise_split(signals, rollout_gpus, trainer_gpus, batch, weight_kv_tokens,
+                                                      kv_bound_min, gpus_per_replica=gpus_per_replica))
+            changed = advice is not None and (before is None or before.rollout_gpus != advice.rollout_gpus)
+            self.last = advice or self.last
+        self.eval_in_cycle = eval_next
+        return changed
+
+
 def weight_kv_tokens(hf_config: Mapping[str, Any]) -> Optional[float]:
     """The model's weights in KV-token equivalents (parameters over KV elements per token: dtype and tensor
     parallelism cancel), from a Hugging Face config as a dict; None where it lacks the fields of a decoder-only

@@ -12,7 +12,6 @@ from typing import Optional
 from verl_tide.core.planner import BoundaryInputs, StageRates
 from verl_tide.core.readiness import RolloutInterval
 from verl_tide.ctb.window import BudgetInputs
-from verl_tide.ers.advice import advise_split
 from verl_tide.ers.lending import LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, Role
 from verl_tide.ra2p.cost import StageTimes
@@ -100,12 +99,10 @@ class PlannerSide:
             self.budget_factors.append(decision.budget.factor)
         if self.ers is None:
             return decision.choice.reason if decision.choice else "RA2P: nothing measured yet"
-        if not self._eval_in_cycle:  # an evaluation's rollout starves the trainer by design: no advice from it
-            advice = advise_split(decision.signals, len(self.ranks), self.actor_ranks + len(self.ref_ranks), self.B,
-                                  self.costs.weight_bytes / self.costs.kv_bytes_per_token,
-                                  self.ers_cfg.split_advice_kv_bound)
-            self.split_advice = self.advisor.update(advice) or self.split_advice
-        self._eval_in_cycle = eval_next
+        self.advice.update(decision.signals, len(self.ranks), self.actor_ranks + len(self.ref_ranks), self.B,
+                           self.costs.weight_bytes / self.costs.kv_bytes_per_token, self.ers_cfg.split_advice_kv_bound,
+                           eval_next)
+        self.split_advice = self.advice.last
         if decision.lend is not None:
             self._lend_return_at = decision.lend.return_at_units
             if decision.lend.lend and not self._hybrid_on:  # woken after the weight sync, with the new weights

@@ -35,7 +35,7 @@ from verl_tide.core.ledger import GoodputLedger, Outcome
 from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, TaskState
-from verl_tide.ers.advice import SplitAdvice, SplitAdvisor
+from verl_tide.ers.advice import SplitAdvice, SplitAdviceCycle
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
                                  mini_batch_cost, split_cost, streaming_swap_cost)
 from verl_tide.sim.boundary import PlannerSide
@@ -137,9 +137,8 @@ class Simulation(PlannerSide):
         self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
         self._kv_wait_s = 0.0  # seconds CTB held work back for KV budget (as its router counts them)
         self._generating_token_s = 0.0  # time integral of CTB's `generating_tokens` (the decode load)
-        self.advisor = SplitAdvisor()
+        self.advice = SplitAdviceCycle(eval_in_first_cycle=workload.is_eval_step(0))  # ERS's split advice
         self.split_advice: Optional[SplitAdvice] = None
-        self._eval_in_cycle = workload.is_eval_step(0)  # this cycle's rollout also ran an evaluation
 
     # ---- task generation -------------------------------------------------------------------
     def _new_group(self, step: int, size: int) -> Group:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from verl_tide.core.ledger import GoodputLedger, LedgerImbalanceError, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
-from verl_tide.ers.advice import SplitAdvisor, advise_split, weight_kv_tokens
+from verl_tide.ers.advice import SplitAdviceCycle, weight_kv_tokens
 from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import RA2PMode
 from verl_tide.trainer.lending import lent_metrics
@@ -168,8 +168,7 @@ class SplitAdviceReport:
                  exporter: Optional[Any] = None):
         self.config, self.ideal_batch, self.kv_bound = config, ideal_batch, kv_bound
         self.fixed_ref_ranks, self.exporter = fixed_ref_ranks, exporter
-        self.advisor = SplitAdvisor()
-        self.eval_in_cycle = False  # this cycle's rollout also ran an overlapped evaluation
+        self.cycle = SplitAdviceCycle()  # the simulator takes the advice through the same cycle (sim/boundary.py)
         self.weight_kv_tokens: Optional[float] = None  # the rollout model's weights in KV tokens
 
     def update(self, signals: ReadinessSignals, roles: Mapping[int, Role], quarantined: Mapping[int, str],
@@ -185,17 +184,12 @@ class SplitAdviceReport:
             m["tide/rollout/kv_bound"] = float(signals.rollout_kv_bound)
         if signals.rollout_decode_context is not None:
             m["tide/rollout/decode_context_tokens"] = float(signals.rollout_decode_context)
-        if not self.eval_in_cycle and now_rollout >= 1:
-            if self.weight_kv_tokens is None:
-                self.weight_kv_tokens = self._model_weight_kv_tokens()
-            before = self.advisor.standing
-            advice = self.advisor.update(advise_split(
-                signals, now_rollout, trainer_gpus, self.ideal_batch, self.weight_kv_tokens or None, self.kv_bound,
-                gpus_per_replica=per_replica))
-            if advice is not None and (before is None or before.rollout_gpus != advice.rollout_gpus):
-                print(f"verl-tide step {step}: ERS split advice: {advice.reason}", flush=True)
-        self.eval_in_cycle = eval_next
-        standing = self.advisor.standing
+        if self.weight_kv_tokens is None and not self.cycle.eval_in_cycle and now_rollout >= 1:
+            self.weight_kv_tokens = self._model_weight_kv_tokens()
+        if self.cycle.update(signals, now_rollout, trainer_gpus, self.ideal_batch, self.weight_kv_tokens or None,
+                             self.kv_bound, eval_next, gpus_per_replica=per_replica):
+            print(f"verl-tide step {step}: ERS split advice: {self.cycle.standing.reason}", flush=True)
+        standing = self.cycle.standing
         m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
         if self.exporter is not None:
             self.exporter.update_split_advice(now_rollout, standing)
