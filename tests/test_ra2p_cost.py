@@ -322,3 +322,16 @@ def test_waits_are_the_actors_idle_time_for_data_not_the_swaps_between_bursts():
     assert streaming_swap_cost([0.0, 20.0], t, waits) == 25.0 and waits == [15.0]
     waits.clear()
     assert streaming_swap_cost([0.0, 4.0, 10.0], t, waits) == 15.0 and waits == []  # each there when due
+
+
+def test_the_next_steps_mode_is_the_planners_where_what_it_needs_exists():
+    """One rule for trainer tide's Ref path and the simulator (`next_step_mode`)."""
+    from verl_tide.ra2p.cost import next_step_mode
+
+    D, C, S = RA2PMode.DECOUPLED, RA2PMode.COLOCATED, RA2PMode.SPLIT
+    assert next_step_mode("auto", D, 0, True) is C  # no Ref replica up: colocated whatever was chosen
+    assert next_step_mode("auto", D, 1, True, ref_service_ready=False) is C
+    assert next_step_mode("auto", None, 1, False) is D  # nothing measured yet: decoupled on the replicas
+    assert next_step_mode("auto", S, 2, True) is S and next_step_mode("auto", S, 2, False) is C
+    assert next_step_mode("colocated", D, 2, True) is C and next_step_mode("decoupled", C, 1, False) is D
+    assert next_step_mode("split", C, 1, True) is S and next_step_mode("split", C, 1, False) is C

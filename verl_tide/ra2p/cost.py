@@ -217,6 +217,22 @@ def streaming_swap_cost(ready_times: Sequence[float], times: StageTimes,
     return clock
 
 
+def next_step_mode(configured: str, chosen: Optional[RA2PMode], ref_replicas_up: int, can_split: bool,
+                   ref_service_ready: bool = True) -> RA2PMode:
+    """The mode the next step's mini-batches run in, from `tide.ra2p.mode` (`configured`), the planner's choice at
+    the last boundary (`chosen`, None before anything was measured) and what exists to run it: decoupled needs Ref
+    replicas (and the service the deferred-KL loss reads them from), split needs them beside the Actor's own Ref;
+    everything else runs colocated. Trainer `tide` and the simulator both take the mode from here."""
+    if not ref_service_ready or ref_replicas_up < 1 or configured == "colocated":
+        return RA2PMode.COLOCATED
+    if configured == "decoupled":
+        return RA2PMode.DECOUPLED
+    if configured == "split":
+        return RA2PMode.SPLIT if can_split else RA2PMode.COLOCATED
+    mode = chosen or RA2PMode.DECOUPLED
+    return RA2PMode.COLOCATED if mode is RA2PMode.SPLIT and not can_split else mode
+
+
 def mini_batch_cost(ready_times: Sequence[float], times: StageTimes, per_mini_batch: int, poll_s: float = 0.0,
                     waits: Optional[list[float]] = None) -> float:
     """verl V1's asynchronous trainers (`separate_async`, `fully_async`): PPO mini-batches of `per_mini_batch`

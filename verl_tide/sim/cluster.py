@@ -37,7 +37,7 @@ from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdviceCycle
 from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
-                                 mini_batch_cost, split_cost, streaming_swap_cost)
+                                 mini_batch_cost, next_step_mode, split_cost, streaming_swap_cost)
 from verl_tide.sim.boundary import PlannerSide
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
@@ -326,10 +326,9 @@ class Simulation(PlannerSide):
                           c.swap_s)
 
     def _step_ra2p_mode(self) -> RA2PMode:
-        """The mode the planner chose at the last boundary; decoupled and split need Ref ranks (ERS gives them)."""
-        if not self.ref_ranks or self.planner.mode is None:
-            return RA2PMode.COLOCATED
-        return self.planner.mode
+        """As trainer tide takes it (`ra2p.cost.next_step_mode`): the planner's choice, where ERS gave Ref ranks
+        (the simulation's Ref ranks always sit beside the Actor's own Ref, so split is possible)."""
+        return next_step_mode(self.tide_ra2p.mode, self.planner.mode, len(self.ref_ranks), can_split=True)
 
     def _trainer_tick(self) -> None:
         if self.t < self.trainer_free_at or self.consumed_steps >= self.w.steps:

@@ -24,7 +24,7 @@ from verl_tide.core.config import TideConfig, TideConfigError
 from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
-from verl_tide.ra2p.cost import RA2PMode, StageTimer
+from verl_tide.ra2p.cost import RA2PMode, StageTimer, next_step_mode
 from verl_tide.ra2p.handoff import SampleIds
 from verl_tide.trainer.boundary import observe_ref_replicas
 from verl_tide.trainer.verl_compat import dispatch_layout
@@ -197,15 +197,9 @@ class RefPath:
         follows the planner's choice). Decoupled needs tide's Ref replicas and the deferred-KL loss; split needs
         them beside verl's Ref worker group; everything else runs colocated: the Actor waits for Ref, one Ref
         pass per burst of ready groups."""
-        mode = self.tide_config.ra2p.mode
-        if self.service is None or not self.replicas_up() or mode == "colocated":
-            return RA2PMode.COLOCATED  # (with verl's Ref beside an elastic pool: until ERS lends a rank to Ref)
-        if mode == "decoupled":
-            return RA2PMode.DECOUPLED
-        if mode == "split":
-            return RA2PMode.SPLIT if self.can_split() else RA2PMode.COLOCATED
-        chosen = self.planner.mode or RA2PMode.DECOUPLED
-        return RA2PMode.COLOCATED if chosen is RA2PMode.SPLIT and not self.can_split() else chosen
+        # (with verl's Ref beside an elastic pool: colocated until ERS lends a rank to Ref)
+        return next_step_mode(self.tide_config.ra2p.mode, self.planner.mode, self.replicas_up(), self.can_split(),
+                              ref_service_ready=self.service is not None)
 
     def split_share(self) -> float:
         """The share of a Ref pass the replicas score: the planner's, once stage times are measured; before,
