@@ -7,6 +7,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from verl_tide.core.config import TideConfig, TideConfigError, parse_tide_config
+from verl_tide.ra2p.layout import RefLayout, ref_layout
 
 TRAINER_MODE = "tide"
 
@@ -50,30 +51,48 @@ def tide_config_from_job(config: DictConfig) -> TideConfig:
     return parse_tide_config(container)
 
 
+def uses_ref_model(config: DictConfig) -> bool:
+    """verl builds a Ref model (its `need_reference_policy`): a KL loss in the Actor or a KL penalty in the reward."""
+    return bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)) or bool(
+        OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False))
+
+
+def ref_handoff(config: DictConfig, tide: TideConfig) -> bool:
+    """RA2P's hand-off outside TransferQueue (`tide.ra2p.zero_copy`): needs the KL term in the Actor's loss, which
+    reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's). The
+    installed deferred-KL loss is verified on verl's FSDP engines only: others keep verl's path."""
+    return bool(uses_ref_model(config) and tide.ra2p.zero_copy
+                and OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)
+                and not OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False)
+                and str(OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")).startswith("fsdp"))
+
+
+def ref_layout_of(config: DictConfig, tide: TideConfig) -> RefLayout:
+    """Where Ref runs for this job (`ra2p.layout`); a layout that cannot run raises `TideConfigError`."""
+    return ref_layout(tide, uses_ref_model(config), ref_handoff(config, tide))
+
+
 def lend_actor(config: DictConfig, tide: TideConfig) -> tuple[bool, str]:
     """Whether the job's Actor GPUs get verl's hybrid replica (`tide.ers.lend_actor` against the layout), and why;
     an explicit `true` the layout cannot honour raises `TideConfigError`. verl's own tests for a Ref model
     (`need_reference_policy`) and for hybrid replicas (`separate_async`: `hybrid_engine`, default true)."""
     from verl_tide.ers.lending import resolve_lend_actor
 
-    has_ref = bool(OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)) or bool(
-        OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False))
     hybrid = OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True)
-    ers = tide.ers
-    ref_replicas = bool(tide.ra2p.ref_ranks or tide.ra2p.mode == "split" or (
-        ers.enabled and (ers.min_ref_ranks > 0 or (ers.max_ref_ranks or 0) >= 1)))
-    return resolve_lend_actor(ers.lend_actor, has_ref, True if hybrid is None else bool(hybrid), ref_replicas)
+    return resolve_lend_actor(tide.ers.lend_actor, uses_ref_model(config), True if hybrid is None else bool(hybrid),
+                              ref_layout_of(config, tide).replicas)
 
 
 def check_layout(config: DictConfig, tide: Optional[TideConfig] = None) -> None:
     """Refuse job layouts trainer `tide` cannot run, naming the key and what it accepts (with `tide`, also a
     `tide.ers.lend_actor = true` the layout cannot honour)."""
     problems = []
-    if tide is not None:
-        try:
-            lend_actor(config, tide)
-        except TideConfigError as e:
-            problems.extend(e.problems)
+    if tide is not None:  # where Ref runs (split mode, elastic Ref ranks) and the lending it allows
+        for check in (ref_layout_of, lend_actor):
+            try:
+                check(config, tide)
+            except TideConfigError as e:
+                problems.extend(p for p in e.problems if p not in problems)
     rollout = config.actor_rollout_ref.rollout
     if int(rollout.nnodes or 0) < 1 or int(rollout.n_gpus_per_node or 0) < 1:
         problems.append(

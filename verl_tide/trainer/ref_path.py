@@ -22,6 +22,7 @@ from typing import Any, Optional, Protocol
 
 from verl_tide.core.config import TideConfig, TideConfigError
 from verl_tide.core.planner import BoundaryPlanner
+from verl_tide.job_config import ref_handoff
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
 from verl_tide.ra2p.cost import RA2PMode, StageTimer, next_step_mode
@@ -74,13 +75,7 @@ class RefPath:
         self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
         self.released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
         self.handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
-        # RA2P's hand-off outside TransferQueue (tide.ra2p.zero_copy): needs the KL term in the Actor's loss, which
-        # reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's).
-        # The installed deferred-KL loss is verified on verl's FSDP engines only: others keep verl's path.
-        actor = config.actor_rollout_ref.actor
-        self.handoff = bool(uses_ref and tide_config.ra2p.zero_copy and actor.get("use_kl_loss", False)
-                            and not config.algorithm.get("use_kl_in_reward", False)
-                            and str(actor.get("strategy", "fsdp")).startswith("fsdp"))
+        self.handoff = bool(uses_ref and ref_handoff(config, tide_config))  # RA2P's hand-off (job_config.py)
         self.inputs_handoff = False  # inputs too: verl's Ref role and the Actor's in one process (tide's workers)
         self.pool_wanted = False  # tide's replicas replace verl's Ref worker group
         self.actor_wg: Any = None
