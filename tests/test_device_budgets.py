@@ -86,13 +86,21 @@ def test_budgets_that_cannot_hold_stop_with_an_error_naming_the_setting(tmp_path
 
 
 def test_a_killed_jobs_empty_groups_are_removed_when_the_next_job_starts():
-    stale = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
-    stale.place(os.getpid(), [0])  # a job with a process in it is not stale
-    assert stale.rel.split("/")[-1] not in remove_stale()
-    stale.hierarchy.cpu.joinpath("cgroup.procs").write_text(str(os.getpid()))  # the process leaves (v1 root)
-    stale.hierarchy.acct.joinpath("cgroup.procs").write_text(str(os.getpid()))
-    fresh = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
+    live = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
+    # a launcher that died (pid 2**22 + 7 is above Linux's pid_max) left its groups, a process still in them
+    stale = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count(),
+                              job=f"{2 ** 22 + 7}-killed")
     try:
-        assert not (stale.hierarchy.cpu / stale.rel).exists()  # its launcher never ran remove(): gone now
-    finally:
+        stale.place(os.getpid(), [0])
+        removed = remove_stale()
+        assert stale.rel.split("/")[-1] not in removed  # a process is in it
+        assert live.rel.split("/")[-1] not in removed  # none in it yet, but its launcher lives
+        for base in {stale.hierarchy.cpu, stale.hierarchy.acct}:  # the process leaves (to the root)
+            (base / "cgroup.procs").write_text(str(os.getpid()))
+        fresh = JobBudgets.create(n_gpus=1, cores_per_gpu=0.4, host_cores=0.2, total_cores=os.cpu_count())
         fresh.remove()
+        assert not (stale.hierarchy.cpu / stale.rel).exists()  # its launcher never ran remove(): gone now
+        assert (live.hierarchy.cpu / live.rel).exists()
+    finally:
+        live.remove()
+        stale.remove()

@@ -120,7 +120,8 @@ class JobBudgets:
                               f"{host:g} must fit in the machine's {total:g} cores with host > 0")
         h = find_hierarchy()
         remove_stale(h)
-        jb = cls(h, f"{PREFIX}/{job or uuid.uuid4().hex[:12]}", cores_per_gpu, host)
+        # the launcher's pid in the name: its groups are never stale while it lives (remove_stale)
+        jb = cls(h, f"{PREFIX}/{job or f'{os.getpid()}-{uuid.uuid4().hex[:8]}'}", cores_per_gpu, host)
         for d in {h.cpu, h.acct}:
             try:
                 (d / jb.rel).mkdir(parents=True, exist_ok=True)
@@ -231,12 +232,25 @@ def remove_stale(h: Optional[Hierarchy] = None) -> list[str]:
     for job in sorted(base.iterdir()) if base.exists() else []:
         if not job.is_dir():
             continue
+        owner = job.name.split("-", 1)[0]
+        if owner.isdigit() and _alive(int(owner)):
+            continue  # its launcher lives (it may not have started any process yet)
         groups = [job, *(p for p in job.rglob("*") if p.is_dir())]
         if any((g / "cgroup.procs").read_text().strip() for g in groups if (g / "cgroup.procs").exists()):
             continue
         JobBudgets(h, f"{PREFIX}/{job.name}", 0.0, 0.0).remove()
         removed.append(job.name)
     return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def visible_devices(env: Optional[dict] = None) -> list[int]:
