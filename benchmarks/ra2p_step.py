@@ -282,8 +282,8 @@ def patterns(m: int, t_act: float) -> dict[str, list[float]]:
 
 
 def predict(mode: str, arrivals, times, m: int, share: float = 0.0) -> float:
-    from verl_tide.ra2p.cost import (colocated_cost, decoupled_cost, global_batch_cost, split_cost,
-                                     streaming_swap_cost)
+    from verl_tide.ra2p.cost import colocated_cost, decoupled_cost, split_cost
+    from verl_tide.ra2p.stock_cost import global_batch_cost, streaming_swap_cost
 
     if mode in ("split", "split_half"):  # the Ref worker at the measured Ref speed (same device, own process)
         return split_cost(arrivals, times, times.t_ref, share, max_aggregate=m)

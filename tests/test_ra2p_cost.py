@@ -134,7 +134,8 @@ def test_stage_timer_learns_per_token_rates_online():
 
 
 def test_baselines_global_batch_and_streaming_with_a_swap_per_micro_batch():
-    from verl_tide.ra2p.cost import StageTimes, global_batch_cost, streaming_swap_cost
+    from verl_tide.ra2p.cost import StageTimes
+    from verl_tide.ra2p.stock_cost import global_batch_cost, streaming_swap_cost
 
     t = StageTimes(t_ref=1.0, t_act_f=1.0, t_act_b=2.0, t_swap=0.5)
     # Global batch: wait for the last (at 10), 2 swaps, 3 x (1 + 1 + 2).
@@ -303,7 +304,7 @@ def test_waits_are_the_actors_idle_time_for_data_not_the_swaps_between_bursts():
     """What the simulator counts as the Actor's TWT inside a step (trainer `tide` measures its sampler's waits
     for ready data): three micro-batches ready at start, aggregated one at a time, cost three swap pairs but
     no wait; a late micro-batch is waited for from the moment the Actor ran out of work."""
-    from verl_tide.ra2p.cost import global_batch_cost, streaming_swap_cost
+    from verl_tide.ra2p.stock_cost import global_batch_cost, streaming_swap_cost
 
     waits: list[float] = []
     assert colocated_cost([0.0, 0.0, 0.0], T, max_aggregate=1, waits=waits) == 30.0

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_tide.ra2p.cost import StageTimes, global_batch_cost, mini_batch_cost
+from verl_tide.ra2p.cost import StageTimes
+from verl_tide.ra2p.stock_cost import global_batch_cost, mini_batch_cost
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.stock import FullyAsyncDefaultPolicy, SeparateAsyncSwitch, StepWaits, hybrid_switch
 from verl_tide.sim.workload import load_workload

@@ -80,7 +80,7 @@ def check(overrides: list[str], config_path: Optional[str] = None, config_name: 
 def _unknown_key(message: str, overrides: list[str]) -> Optional[str]:
     """The override Hydra refused because its key does not exist, from its message."""
     m = re.search(r"Could not override '([^']+)'", message) or re.search(r"Key '([^']+)' is not in struct", message)
-    if not m or "not in struct" not in message and "Could not override" not in message:
+    if not m:
         return None
     name = m.group(1)
     for o in overrides:

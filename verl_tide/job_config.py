@@ -61,8 +61,7 @@ def ref_handoff(config: DictConfig, tide: TideConfig) -> bool:
     """RA2P's hand-off outside TransferQueue (`tide.ra2p.zero_copy`): needs the KL term in the Actor's loss, which
     reads it by sample id; a KL penalty in the reward needs ref_log_prob in TransferQueue (the driver's). The
     installed deferred-KL loss is verified on verl's FSDP engines only: others keep verl's path."""
-    return bool(uses_ref_model(config) and tide.ra2p.zero_copy
-                and OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)
+    return bool(tide.ra2p.zero_copy and OmegaConf.select(config, "actor_rollout_ref.actor.use_kl_loss", default=False)
                 and not OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False)
                 and str(OmegaConf.select(config, "actor_rollout_ref.actor.strategy", default="fsdp")).startswith("fsdp"))
 

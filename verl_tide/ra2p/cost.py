@@ -7,7 +7,6 @@ are relative to the start of the training step (<= 0: ready at start).
 
 from __future__ import annotations
 
-import math
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -199,24 +198,6 @@ def best_split(ready_times: Sequence[float], times: StageTimes, ref_ranks_t_ref:
     return best / SHARE_STEPS, cost(best)
 
 
-def global_batch_cost(ready_times: Sequence[float], times: StageTimes, waits: Optional[list[float]] = None) -> float:
-    """verl's default: wait for the whole batch, swap in Ref for every micro-batch, swap in Actor for all.
-    `waits`: see `colocated_cost`."""
-    m = len(ready_times)
-    return _wait_for(max(ready_times, default=0.0), 0.0, waits) + 2 * times.t_swap + m * (
-        times.t_ref + times.t_act_f + times.t_act_b)
-
-
-def streaming_swap_cost(ready_times: Sequence[float], times: StageTimes,
-                        waits: Optional[list[float]] = None) -> float:
-    """Streaming with Ref and Actor sharing a device: two swaps per micro-batch, as each arrives. `waits`: see
-    `colocated_cost`."""
-    clock = 0.0
-    for a in sorted(ready_times):
-        clock = _wait_for(a, clock, waits) + 2 * times.t_swap + times.t_ref + times.t_act_f + times.t_act_b
-    return clock
-
-
 def next_step_mode(configured: str, chosen: Optional[RA2PMode], ref_replicas_up: int, can_split: bool,
                    ref_service_ready: bool = True) -> RA2PMode:
     """The mode the next step's mini-batches run in, from `tide.ra2p.mode` (`configured`), the planner's choice at
@@ -231,25 +212,6 @@ def next_step_mode(configured: str, chosen: Optional[RA2PMode], ref_replicas_up:
         return RA2PMode.SPLIT if can_split else RA2PMode.COLOCATED
     mode = chosen or RA2PMode.DECOUPLED
     return RA2PMode.COLOCATED if mode is RA2PMode.SPLIT and not can_split else mode
-
-
-def mini_batch_cost(ready_times: Sequence[float], times: StageTimes, per_mini_batch: int, poll_s: float = 0.0,
-                    waits: Optional[list[float]] = None) -> float:
-    """verl V1's asynchronous trainers (`separate_async`, `fully_async`): PPO mini-batches of `per_mini_batch`
-    micro-batches trained one after another, each as soon as the sampler sees it whole (Ref then Actor on the
-    trainer's GPUs, two swaps per mini-batch). The sampler looks every `poll_s` seconds while it waits (verl's
-    replay buffer: 2 s; fully_async's message queue blocks: 0). `waits`: see `colocated_cost`."""
-    if per_mini_batch < 1:
-        raise ValueError(f"per_mini_batch = {per_mini_batch}: must be >= 1")
-    arrivals, clock = _arrivals(ready_times), 0.0
-    for i in range(0, len(arrivals), per_mini_batch):
-        chunk = arrivals[i:i + per_mini_batch]
-        ready = chunk[-1]
-        if ready > clock and poll_s > 0:
-            ready = clock + math.ceil((ready - clock) / poll_s - 1e-9) * poll_s
-        clock = _wait_for(ready, clock, waits) + 2 * times.t_swap + len(chunk) * (
-            times.t_ref + times.t_act_f + times.t_act_b)
-    return clock
 
 
 class StageTimer:

@@ -36,8 +36,8 @@ from verl_tide.core.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, TaskState
 from verl_tide.ers.advice import SplitAdvice, SplitAdviceCycle
-from verl_tide.ra2p.cost import (RA2PMode, StageTimes, colocated_cost, decoupled_cost, global_batch_cost,
-                                 mini_batch_cost, next_step_mode, split_cost, streaming_swap_cost)
+from verl_tide.ra2p.cost import RA2PMode, StageTimes, colocated_cost, decoupled_cost, next_step_mode, split_cost
+from verl_tide.ra2p.stock_cost import global_batch_cost, mini_batch_cost, streaming_swap_cost
 from verl_tide.sim.boundary import PlannerSide
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware

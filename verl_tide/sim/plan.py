@@ -28,11 +28,12 @@ HARDWARE: dict[str, Hardware] = {
     "h200": replace(Hardware(), name="H200-141GB-SXM", mem_gb=141.0, hbm_tb_s=4.8),
 }
 PLAN_SYSTEMS = ("verl_separate_async_switch", "verl_fully_async_dynamic")  # the strongest stock rules of the bench
-REFUSED = {  # keys that change the answer and that the model does not represent
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout ranks are modeled one GPU each (TP=1)",
-    "actor_rollout_ref.rollout.data_parallel_size": "rollout ranks are modeled one GPU each (DP=1 per engine)",
-    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": "the trainer is modeled as FSDP data parallel",
-    "algorithm.adv_estimator": "only GRPO (grpo) is modeled",
+MODELED = {  # keys that change the answer: the values the model represents, and why only those
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": (("1",), "rollout ranks are modeled one GPU each (TP=1)"),
+    "actor_rollout_ref.rollout.data_parallel_size": (("1",), "rollout ranks are modeled one GPU each (DP=1)"),
+    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size": (("1",), "the trainer is modeled as FSDP "
+                                                                           "data parallel"),
+    "algorithm.adv_estimator": (("grpo",), "only GRPO is modeled"),
 }
 
 
@@ -75,9 +76,9 @@ def model_from_hf_config(path: str) -> ModelSpec:
 def job_workload(base: Workload, o: dict[str, str], gpus: int, model: Optional[ModelSpec],
                  steps: Optional[int]) -> Workload:
     """The workload description with what the job's overrides say of it."""
-    for key, why in REFUSED.items():
-        if key in o and not (key == "algorithm.adv_estimator" and o[key] == "grpo") and o[key] not in ("1", "null"):
-            raise PlanError(f"{key} = {o[key]}: not modeled ({why})")
+    for key, (allowed, why) in MODELED.items():
+        if key in o and o[key] not in allowed:
+            raise PlanError(f"{key} = {o[key]}: not modeled ({why}; allowed: {' | '.join(allowed)})")
     w = base
     changes: dict[str, Any] = {}
     if "data.train_batch_size" in o:

@@ -116,7 +116,7 @@ def hybrid_switch(policy: str, batch: int, parameter_sync_step: int, total_gpus:
                   poll_s: float) -> Optional[HybridSwitch]:
     """The switch a `SystemSpec.hybrid_switch` names; None for `eager` (lend whenever the trainer waits)."""
     if policy == "separate_async":
-        return SeparateAsyncSwitch(batch, parameter_sync_step, total_gpus, rollout_gpus, poll_s=poll_s or 2.0)
+        return SeparateAsyncSwitch(batch, parameter_sync_step, total_gpus, rollout_gpus, poll_s=poll_s)
     if policy == "fully_async_default":
         return FullyAsyncDefaultPolicy(batch)
     if policy == "eager":

@@ -193,8 +193,9 @@ class JobBudgets:
     def busy_fractions(self, since: dict[str, float], wall_s: float) -> dict[str, float]:
         """Each group's usage since `since` (a `usage_s` snapshot) over its budget for `wall_s`: the test bed's
         "GPU utilisation"."""
-        return {g: (self.usage_s(g) - since.get(g, 0.0)) / (self.budget_cores(g) * wall_s)
-                for g in self.groups() if wall_s > 0}
+        if wall_s <= 0:
+            return {}
+        return {g: (self.usage_s(g) - since.get(g, 0.0)) / (self.budget_cores(g) * wall_s) for g in self.groups()}
 
     def remove(self, timeout_s: float = 10.0) -> None:
         """Move every process left back to the hierarchy's root, then delete the job's groups (leaves first)."""
@@ -259,6 +260,9 @@ def visible_devices(env: Optional[dict] = None) -> list[int]:
     return [int(x) for x in value.split(",") if x.strip().isdigit()]
 
 
+_PLACED: set[tuple[int, str, tuple[int, ...]]] = set()  # (pid, job, fake GPUs) this process already joined
+
+
 def place_self(devices: Optional[list[int]] = None) -> Optional[str]:
     """Join this job's group for this process's fake GPUs (or host), and size torch's threads to the budget.
     A no-op unless the job asked for budgets; raises `BudgetError` where they cannot be enforced."""
@@ -268,9 +272,13 @@ def place_self(devices: Optional[list[int]] = None) -> Optional[str]:
     if not root:
         raise BudgetError(f"{BUDGET_ENV} is set but {ROOT_ENV} is not: start the job with the test bed's launcher "
                           "(`testing/testbed.run_main_ppo`), which makes the job's groups")
-    jb = JobBudgets.attach(root, float(cores))
     devs = visible_devices() if devices is None else devices
+    placed = (os.getpid(), root, tuple(sorted(devs)))
+    if placed in _PLACED:  # verl asks the platform for its backend more than once per worker: place it once
+        return group_name(devs)
+    jb = JobBudgets.attach(root, float(cores))
     name = jb.place(os.getpid(), devs)
+    _PLACED.add(placed)
     try:
         cmd = Path("/proc/self/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:80]
     except OSError:

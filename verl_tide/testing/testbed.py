@@ -193,7 +193,7 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
             before = {g: jb.usage_s(g) for g in jb.groups()}
             result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd, timeout_s,
                                    log_path, on_line, preexec=lambda: jb.place(os.getpid(), []))
-            busy = {g: b for g, b in jb.busy_fractions(before, result.seconds).items()}
+            busy = jb.busy_fractions(before, result.seconds)
             line = device_budgets.summary(busy, jb)
             if log_path:
                 with open(log_path, "a") as log:
