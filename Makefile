@@ -61,10 +61,9 @@ gpu-resolve:
 	  v = {i['metadata']['name']: i['metadata']['version'] for i in r['install']}; \
 	  print('resolves:', ', '.join(f'{n} {v[n]}' for n in ('verl', 'vllm', 'torch', 'transformers')))"
 
-## verl-tide's sdist and wheel in dist/ (PEP 517, setuptools).
+## verl-tide's sdist and wheel in dist/ (PEP 517, setuptools >= 77 in a build environment of its own).
 dist:
-	rm -rf dist && mkdir -p dist
-	python3 -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+	bash scripts/build-dist.sh
 
 ## The release check: the wheel installed into a clean virtual environment beside verl 0.9.1 (CPU set), then
 ## `main_ppo +tide=enabled --cfg job` and `verl-tide check` run from it (a few minutes; not in CI).
@@ -72,4 +71,4 @@ release-check:
 	bash scripts/release-check.sh
 
 clean:
-	rm -rf $(VENV) $(OPENENV_VENV) .venv-release build dist *.egg-info .pytest_cache outputs
+	rm -rf $(VENV) $(OPENENV_VENV) .venv-release .venv-build build dist *.egg-info .pytest_cache outputs

@@ -7,10 +7,8 @@ cd "$(dirname "$0")/.."
 root=$(pwd)
 PYTHON=${PYTHON:-python3.11}
 VENV=${RELEASE_VENV:-.venv-release}
-rm -rf dist "$VENV"
-mkdir -p dist
-# PEP 517 hooks of setuptools directly: no `build` package needed
-"$PYTHON" -c "from setuptools import build_meta as b; print(b.build_sdist('dist')); print(b.build_wheel('dist'))"
+rm -rf "$VENV"
+PYTHON="$PYTHON" bash scripts/build-dist.sh
 wheel=$(ls dist/verl_tide-*.whl)
 VENV="$VENV" VERL_TIDE_WHEEL="$root/$wheel" PYTHON="$PYTHON" bash scripts/setup-venv.sh
 work=$(mktemp -d)
