@@ -51,15 +51,18 @@ bench: venv
 lock:
 	bash scripts/resolve-cpu-lock.sh
 
-## Prove the GPU package set resolves for Linux x86_64 + CUDA with pip's resolver, without a GPU and without
-## installing (downloads ~2 GB; not in CI): constraints/gpu.txt with verl-tide's [vllm] extra.
+## Prove a GPU package set resolves for Linux x86_64 + CUDA with pip's resolver, without a GPU and without
+## installing (not in CI): ENGINE=vllm (constraints/gpu.txt, the [vllm] extra; downloads ~2 GB) or ENGINE=sglang
+## (constraints/gpu-sglang.txt, the [sglang] extra).
+ENGINE ?= vllm
+GPU_CONSTRAINTS = $(if $(filter sglang,$(ENGINE)),constraints/gpu-sglang.txt,constraints/gpu.txt)
 gpu-resolve:
 	mkdir -p outputs
-	python3 -m pip install --dry-run --ignore-installed --no-cache-dir --report outputs/gpu-resolve.json \
-	  -c constraints/gpu.txt '.[vllm]'
-	python3 -c "import json; r = json.load(open('outputs/gpu-resolve.json')); \
+	python3 -m pip install --dry-run --ignore-installed --no-cache-dir --report outputs/gpu-resolve-$(ENGINE).json \
+	  -c $(GPU_CONSTRAINTS) '.[$(ENGINE)]'
+	python3 -c "import json; r = json.load(open('outputs/gpu-resolve-$(ENGINE).json')); \
 	  v = {i['metadata']['name']: i['metadata']['version'] for i in r['install']}; \
-	  print('resolves:', ', '.join(f'{n} {v[n]}' for n in ('verl', 'vllm', 'torch', 'transformers')))"
+	  print('resolves:', ', '.join(f'{n} {v[n]}' for n in ('verl', '$(ENGINE)', 'torch', 'transformers')))"
 
 ## verl-tide's sdist and wheel in dist/ (PEP 517, setuptools >= 77 in a build environment of its own).
 dist:
