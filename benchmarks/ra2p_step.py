@@ -397,7 +397,7 @@ def main() -> None:
 
     import torch
 
-    from verl_tide.core.planner import StageRates
+    from verl_tide.boundary.planner import StageRates
     from verl_tide.ra2p.cost import StageTimer
 
     torch.set_num_threads(args.threads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from verl_tide.core.config import CTBConfig, TideConfigError, parse_tide_config
-from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner, replay
+from verl_tide.boundary.planner import BoundaryInputs, BoundaryPlanner, replay
 from verl_tide.core.readiness import ReadinessSignals, RolloutInterval
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ctb.window import BudgetInputs, BudgetWindow

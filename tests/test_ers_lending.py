@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from verl_tide.core.config import ERSConfig, RA2PConfig
-from verl_tide.core.planner import BoundaryInputs, BoundaryPlanner
+from verl_tide.boundary.planner import BoundaryInputs, BoundaryPlanner
 from verl_tide.core.readiness import ReadinessSignals
 from verl_tide.ers.lending import LendingInputs, decide, return_threshold
 from verl_tide.ers.policy import Phase, Role

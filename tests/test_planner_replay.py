@@ -1,5 +1,5 @@
 """One decision path: the step-boundary decision (RA2P's mode and split share, the break-even RAS, ERS's plan) is
-`verl_tide.core.planner`, called by trainer `tide` (through trainer/boundary.py) and by the simulator. A trace the
+`verl_tide.boundary.planner`, called by trainer `tide` (through trainer/boundary.py) and by the simulator. A trace the
 simulator records replays through the planner as trainer `tide` builds it, from inputs built by the trainer's
 own adapter, to the same decisions."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from verl_tide.core.config import parse_tide_config
-from verl_tide.core.planner import BoundaryPlanner, BudgetRecord, TraceRecord, replay
+from verl_tide.boundary.planner import BoundaryPlanner, BudgetRecord, TraceRecord, replay
 from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.sim.cluster import Simulation, SystemSpec
@@ -29,6 +29,7 @@ def recorded():
     """WebShop on 8 GPUs, 12 steps: ERS lends and returns ranks, RA2P runs colocated and split."""
     sim = Simulation(dataclasses.replace(load_workload("webshop"), steps=12), 8, TIDE)
     sim.planner.trace = []
+    sim.boundary.round.trace = []  # each round: its inputs, context, signals, and the calls through the port
     sim.run()
     return sim, sim.planner.trace
 
@@ -92,11 +93,11 @@ def _budget_as_the_trainer_reads_it(sim, trace):
     """The BudgetInputs trainer `tide`'s reader builds from the same clocks, read in the simulator's order (its reads
     at the rollout's start and at each sync's end only mark, as the reader's `start`), the factor in force as the
     planner set it."""
-    report = _RecordedRollout(sim.window_reads)
+    report = _RecordedRollout(sim.boundary.window_reads)
     reader = BudgetWindowReader(report, _as_trainer_builds_it(sim), clock=lambda: report.now["t"])
     decided = iter(c for c in _budget_inputs(trace) if c is not None)
     built = []
-    for i, read in enumerate(sim.window_reads):
+    for i, read in enumerate(sim.boundary.window_reads):
         if read["mark_only"]:  # the trainer's clocks just read; the engines' counters too at the rollout's start
             clocks = report.rollout_time()
             reader.mark(clocks, {a: m for a, (_, m) in report.scrape_engines({}).items()} if i == 0 else None)
@@ -162,6 +163,7 @@ def recorded_lend():
     spec = dataclasses.replace(TIDE, lend_actor=True)
     sim = Simulation(load_workload(str(Path(__file__).parent / "data" / "sim_tiny.yaml")), 8, spec, seed=3)
     sim.planner.trace = []
+    sim.boundary.round.trace = []
     sim.run()
     return sim, sim.planner.trace
 
@@ -183,3 +185,88 @@ def test_lending_decisions_replay_through_the_trainers_planner_from_the_trainers
         built = lending_inputs(sim_in.ready_units, 1, sim_in.mini_batches, sim_in.switch_cost_s,
                                {"update_actor": sim_in.train_s_per_mini_batch * trained}, trained, last_step=False)
         assert built == dataclasses.replace(sim_in, train_s_per_mini_batch=pytest.approx(sim_in.train_s_per_mini_batch))
+
+
+class _ElasticRanks:
+    """ERS's elastic ranks as trainer `tide`'s port drives them (`ers.elastic.ElasticRanks.before_sync`): every
+    move applied, timed."""
+
+    def before_sync(self, moves):
+        return [dataclasses.make_dataclass("Applied", ["rank", "dst", "seconds", "requests_resent"])(
+            m.rank, m.dst, 0.5, 0) for m in moves]
+
+
+class _BudgetWindow:
+    def __init__(self):
+        self.factors = []
+
+    def at_boundary(self, decision, step):
+        self.factors.append(decision.factor)
+        return {"tide/ctb/next_budget_factor": decision.factor}
+
+
+def _rounds_through_the_trainers_port(sim, trace):
+    """Every round the simulator ran through its own port, run again by a round built as trainer `tide` builds it
+    (its planner, a fresh advice cycle) through trainer `tide`'s port, with CTB's budget decisions between
+    boundaries in their recorded order. Returns the replayed rounds' records and the port's last roles."""
+    from verl_tide.boundary.round import BoundaryRound, ReplayedSignals
+    from verl_tide.ers.advice import SplitAdviceCycle
+    from verl_tide.trainer.boundary import TrainerBoundaryPort
+
+    replay_round = BoundaryRound(_as_trainer_builds_it(sim), SplitAdviceCycle(sim.w.is_eval_step(0)), trace=[])
+    rounds, roles, window = iter(sim.boundary.round.trace), None, _BudgetWindow()
+    for rec in trace:
+        if isinstance(rec, BudgetRecord):
+            replay_round.planner.decide_budget(rec.inputs)
+            continue
+        recorded_round = next(rounds)
+        roles = dict(recorded_round.context.roles)
+        port = TrainerBoundaryPort(recorded_round.inputs.step, ReplayedSignals(recorded_round), roles,
+                                   elastic=_ElasticRanks(), budget_window=window)
+        result = replay_round.run(recorded_round.inputs, recorded_round.context, port)
+        assert result.decision.summary() == rec.decision
+        assert port.metrics["tide/ers/moves_applied"] == len(port.applied)
+    return replay_round.trace, roles, window.factors
+
+
+def test_a_recorded_round_replays_through_the_trainers_port_to_the_same_effects(recorded):
+    """The whole round, not the planner alone: the calls the simulator's round made through its port (budget
+    factor, lending, ERS's moves, in order) are the calls the trainer's round makes through trainer `tide`'s port
+    on the same inputs, and the trainer's roles follow the moves."""
+    sim, trace = recorded
+    replayed, roles, factors = _rounds_through_the_trainers_port(sim, trace)
+    recorded_rounds = sim.boundary.round.trace
+    assert len(replayed) == len(recorded_rounds) == 11
+    assert [r.effects for r in replayed] == [r.effects for r in recorded_rounds]
+    moves = [e for r in recorded_rounds for e in r.effects if e[0] == "move_ranks"]
+    assert moves and factors == sim.budget_factors  # ERS moved ranks; CTB's factor went through the port
+    last_moves = {rank: dst for e in moves for rank, _, dst in e[1]}
+    assert {r: roles[r].value for r in last_moves} == last_moves
+
+
+def test_lending_rounds_replay_through_the_trainers_port(recorded_lend):
+    sim, trace = recorded_lend
+    replayed, _, _ = _rounds_through_the_trainers_port(sim, trace)
+    lends = [e[1] for r in sim.boundary.round.trace for e in r.effects if e[0] == "lend"]
+    assert {lent for lent, _ in lends} == {True, False}
+    assert [r.effects for r in replayed] == [r.effects for r in sim.boundary.round.trace]
+
+
+def test_a_round_that_acts_differently_does_not_replay(recorded):
+    """The comparison can fail: a round that cancels every plan (as on a job's last step) makes no moves where the
+    recorded one moved ranks."""
+    from verl_tide.boundary.round import BoundaryRound, ReplayedSignals
+    from verl_tide.trainer.boundary import TrainerBoundaryPort
+
+    sim, trace = recorded
+    replay_round = BoundaryRound(_as_trainer_builds_it(sim), trace=[])
+    rounds = iter(sim.boundary.round.trace)
+    for rec in trace:
+        if isinstance(rec, BudgetRecord):
+            replay_round.planner.decide_budget(rec.inputs)
+            continue
+        r = next(rounds)
+        context = dataclasses.replace(r.context, last_step=True)
+        replay_round.run(r.inputs, context, TrainerBoundaryPort(r.inputs.step, ReplayedSignals(r), dict(r.context.roles),
+                                                                elastic=_ElasticRanks(), budget_window=_BudgetWindow()))
+    assert [r.effects for r in replay_round.trace] != [r.effects for r in sim.boundary.round.trace]

@@ -119,7 +119,7 @@ def _path(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     from omegaconf import OmegaConf
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import StageTimer
     from verl_tide.trainer.ref_path import RefPath
 
@@ -477,7 +477,7 @@ def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoup
     from types import SimpleNamespace
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.ers.policy import Role
     from verl_tide.ra2p.cost import RA2PMode, StageTimer
     from verl_tide.trainer.boundary import boundary_inputs
@@ -498,7 +498,7 @@ def test_the_mode_choice_weighs_the_replicas_measured_speed_for_split_and_decoup
     assert decision.choice.decoupled_s == pytest.approx(3.4)
     assert decision.choice.split_s == pytest.approx(3.3 - 0.8 * 0.775)
     assert decision.break_even is None
-    from verl_tide.core.planner import _StepCosts
+    from verl_tide.boundary.planner import _StepCosts
 
     _, outlook = planner._for_ers(_StepCosts.of(inputs, None), inputs, no_tprm)
     needed, saving = outlook(2)  # what ERS asks when it weighs a move to Ref: up to both ranks

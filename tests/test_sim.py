@@ -242,10 +242,10 @@ def test_the_budget_window_grows_where_the_budget_idles_the_engines():
     assert windowed.kv_hit_rate < fixed.kv_hit_rate
     # it grew while the trainer waited for data (tide.ctb.window_interval_s), between boundaries; with 0 it
     # decides at boundaries only
-    assert sim.budget_factors_in_wait == [2.0]
+    assert sim.boundary.budget_factors_in_wait == [2.0]
     at_boundaries = Simulation(w, 8, spec, tide_ctb=CTBConfig(window_interval_s=0))
     at_boundaries.run()
-    assert at_boundaries.budget_factors_in_wait == [] and max(at_boundaries.budget_factors) >= 2.0
+    assert at_boundaries.boundary.budget_factors_in_wait == [] and max(at_boundaries.budget_factors) >= 2.0
 
 
 def test_ers_moves_ranks_to_ref_when_the_trainer_is_the_bottleneck_and_never_flaps():

@@ -77,20 +77,20 @@ def test_verls_rule_takes_the_replicas_back_at_its_threshold_and_lends_them_afte
                       partial_rollout=True, hybrid=True, hybrid_switch=rule)
     sim = Simulation(w, 4, spec, seed=3)
     starts: list[tuple[int, int]] = []
-    hybrid = sim._hybrid
+    hybrid_set = sim.hybrid.set
 
-    def switch(wake: bool, switch_s=None) -> None:  # the replicas taken back: what was ready, what the rule asked
+    def switch(s, wake: bool, switch_s=None) -> None:  # the replicas taken back: what was ready, what the rule asked
         if not wake:
-            starts.append((len(sim.micro_batches) * sim.mb_size, sim.switch.threshold()))
-        hybrid(wake, switch_s)
+            starts.append((len(sim.micro_batches) * sim.mb_size, sim.hybrid.switch.threshold()))
+        hybrid_set(s, wake, switch_s)
 
-    sim._hybrid = switch
+    sim.hybrid.set = switch
     r = sim.run()
     assert len(r.steps) == w.steps and all(s["mode"] == "mini_batch" for s in r.steps)
     assert starts, "the replicas were never lent into a step"
     for ready, threshold in starts:  # taken back only once the rule's share of the batch was ready
         assert ready >= min(threshold, sim.B) - sim.mb_size + 1
     if rule == "separate_async":  # nothing measured of the switch yet: verl lends whenever the threshold is short
-        assert sim._round_trips >= 1
+        assert sim.hybrid.round_trips >= 1
     else:  # the trainer waited (the ratio rose) but a few cheap samples never pay the default 10 s switch
-        assert sim.switch.ratio > 0.3 and sim._round_trips == 0
+        assert sim.hybrid.switch.ratio > 0.3 and sim.hybrid.round_trips == 0

@@ -129,7 +129,7 @@ def test_ra2p_sees_each_group_ready_when_its_ppo_mini_batch_is_complete():
     from types import SimpleNamespace
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import StageTimer, colocated_cost, decoupled_cost
     from verl_tide.trainer.boundary import boundary_inputs
 
@@ -157,7 +157,7 @@ def test_a_measured_swap_reaches_the_cost_model_and_can_change_the_chosen_mode()
     from types import SimpleNamespace
 
     from verl_tide.core.config import parse_tide_config
-    from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import RA2PMode, StageTimer
     from verl_tide.trainer.boundary import boundary_inputs, observe_stage_times
 
@@ -189,7 +189,8 @@ def test_a_measured_swap_reaches_the_cost_model_and_can_change_the_chosen_mode()
 
 def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys):
     """Trainer `tide` counts rollout GPUs in whole replicas, the trainer's (and Ref ranks') GPUs beside them, reads
-    the model's weights-to-KV ratio from its Hugging Face config, and says the standing advice once."""
+    the model's weights-to-KV ratio from its Hugging Face config, and says the standing advice once (the advice's
+    cycle driven as the boundary round drives it)."""
     import dataclasses
     import json
 
@@ -197,6 +198,7 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     from prometheus_client import generate_latest
 
     from verl_tide.core.readiness import ReadinessSignals
+    from verl_tide.ers.advice import SplitAdviceCycle
     from verl_tide.ers.policy import Role
     from verl_tide.metrics import TideMetrics
     from verl_tide.trainer.reporting import SplitAdviceReport
@@ -210,24 +212,32 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
     exporter = TideMetrics()
     report = SplitAdviceReport(config, ideal_batch=400, kv_bound=0.5, fixed_ref_ranks=0, exporter=exporter)
     roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT}  # 2 replicas of 2 GPUs
+    cycle = SplitAdviceCycle()
+
+    def update(signals):
+        a = report.inputs(roles, {})
+        changed = cycle.update(signals, a.rollout_gpus, a.trainer_gpus, a.batch, a.weight_kv_tokens, a.kv_bound_min,
+                               False, gpus_per_replica=a.gpus_per_replica)
+        return report.metrics(signals, roles, {}, 3, cycle.standing, changed)
+
     # decode-bound (no work waited for KV; 400k tokens of context in flight per replica, the weights ~266k)
     signals = ReadinessSignals(0, None, None, 0.0, 0, 40.0, True, False, 0.0, 60.0, rollout_capacity_rate=4.0,
                                rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0)
-    first = report.update(signals, roles, {}, 3, False)
+    first = update(signals)
     assert first["tide/ers/advised_rollout_gpus"] == 4.0  # one cycle does not stand
     assert first["tide/rollout/kv_bound"] == 0.0 and first["tide/rollout/decode_context_tokens"] == 400_000.0
     assert report.weight_kv_tokens == pytest.approx(265_600.0)
-    second = report.update(signals, roles, {}, 3, False)
+    second = update(signals)
     # 1 seq/s per rollout GPU, 400 / 40 s / 12 = 0.833 per trainer GPU: 7 of 16 balance, 8 in whole replicas
     assert second["tide/ers/advised_rollout_gpus"] == 8.0
-    report.update(signals, roles, {}, 3, False)
+    update(signals)
     assert capsys.readouterr().out.count("ERS split advice") == 1  # said when it changes
     body = generate_latest(exporter.registry).decode()
     assert 'tide_ers_split_advice{quantity="advised_rollout_gpus"} 8.0' in body
     assert 'tide_ers_split_advice{quantity="rollout_gpus"} 4.0' in body
     light = dataclasses.replace(signals, rollout_decode_context=100_000.0)  # the weights dominate: no estimate
     for _ in range(3):
-        last = report.update(light, roles, {}, 3, False)
+        last = update(light)
     assert last["tide/ers/advised_rollout_gpus"] == 4.0
 
 

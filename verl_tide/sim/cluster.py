@@ -27,36 +27,28 @@ import math
 import random
 from collections import deque
 from collections.abc import Callable
-from enum import Enum
 from typing import Optional
 
 from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.core.ledger import GoodputLedger, Outcome
-from verl_tide.core.planner import BoundaryPlanner
+from verl_tide.boundary.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, TaskState
-from verl_tide.ers.advice import SplitAdvice, SplitAdviceCycle
-from verl_tide.ra2p.cost import RA2PMode, StageTimes, colocated_cost, decoupled_cost, next_step_mode, split_cost
-from verl_tide.ra2p.stock_cost import global_batch_cost, mini_batch_cost, streaming_swap_cost
-from verl_tide.sim.boundary import PlannerSide
+from verl_tide.ers.advice import SplitAdvice
+from verl_tide.ra2p.cost import RA2PMode, StageTimes, next_step_mode
+from verl_tide.sim.boundary import SimBoundaryPort
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 # the records lived here first; callers import SystemSpec and Result from the simulation
-from verl_tide.sim.records import CONSUME_MODES, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
+from verl_tide.sim.records import CONSUME_MODES, Consume, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
+from verl_tide.sim.step_cost import step_cost
+from verl_tide.sim.hybrid import HybridReplicas
 from verl_tide.sim.stock import StepWaits, hybrid_switch
+from verl_tide.sim.sync import SyncCycle
 from verl_tide.sim.workload import Workload
 
 
-class SyncPhase(Enum):
-    """verl sync's cycle: [evaluation rollout] -> the batch's rollout starts -> rollout -> (train) -> start."""
-
-    START = "start"
-    EVAL = "eval"
-    ROLLOUT_BEGIN = "rollout_begin"
-    ROLLOUT = "rollout"
-
-
-class Simulation(PlannerSide):
+class Simulation:
     def __init__(self, workload: Workload, gpus: int, spec: SystemSpec, hw: Hardware = Hardware(),
                  seed: int = 0, dt: float = 0.5, tide_ctb: CTBConfig = CTBConfig(),
                  tide_ers: ERSConfig = ERSConfig(), tide_ra2p: RA2PConfig = RA2PConfig(), progress: Optional[Callable[[str], None]] = None):
@@ -102,12 +94,9 @@ class Simulation(PlannerSide):
         self.M = max(1, math.ceil(self.B / (self.actor_ranks * spec.micro_batch_per_gpu)))
         self.mb_size = self.B // self.M
         self.per_mini_batch = max(1, math.ceil(self.M / spec.parameter_sync_step))  # mini_batch: verl's PPO mini-batch
-        # verl's own rule for its hybrid replicas (sim/stock.py), None for the eager model
-        self.switch = hybrid_switch(spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout,
-                                    spec.poll_s) if spec.hybrid else None
-        self._step_lent = False  # the hybrid replicas rolled out until this step began (verl: its sampler did not wait)
-        self._sampler_waits = StepWaits(0.0, 0)
-        self._round_trips = 0  # hybrid replicas lent after a sync and taken back (verl measures the switch then)
+        # the trainer's GPUs rolling out: verl's hybrid replicas (its own rule, sim/stock.py) or tide's lending
+        self.hybrid = HybridReplicas(range(gpus - self.actor_ranks, gpus), hybrid_switch(
+            spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout, spec.poll_s) if spec.hybrid else None)
         # routing
         self.ctb: Optional[CTBScheduler] = None
         self.assigned: dict[int, int] = {r: 0 for r in self.ranks}
@@ -117,17 +106,14 @@ class Simulation(PlannerSide):
         self.trainer_free_at = 0.0  # end of the last update + sync
         self.step_open: Optional[dict] = None
         self.tracker = ReadinessTracker(clock=lambda: self.t)
-        # the step-boundary decision, as trainer tide makes it (verl_tide/core/planner.py); RA2P's aggregation cap is
+        # the step-boundary decision, as trainer tide makes it (verl_tide/boundary/planner.py); RA2P's aggregation cap is
         # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
         self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
                                              tide_ers, self.B, elastic=spec.elastic,
                                              ctb=tide_ctb if self.ctb is not None else None)
-        self._init_budget_window()
         self.ers = self.planner.ers
         self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
-        self.phase_end = 0.0  # sync: end of the current switch
-        self._hybrid_on, self._hybrid_since, self._hybrid_served_s = False, 0.0, 0.0
         self.budget_factors: list[float] = []  # CTB's budget factor chosen at each boundary (ctb/window.py)
         self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
         self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
@@ -137,8 +123,8 @@ class Simulation(PlannerSide):
         self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
         self._kv_wait_s = 0.0  # seconds CTB held work back for KV budget (as its router counts them)
         self._generating_token_s = 0.0  # time integral of CTB's `generating_tokens` (the decode load)
-        self.advice = SplitAdviceCycle(eval_in_first_cycle=workload.is_eval_step(0))  # ERS's split advice
-        self.split_advice: Optional[SplitAdvice] = None
+        self.split_advice: Optional[SplitAdvice] = None  # ERS's split advice, the last that stood
+        self.boundary = SimBoundaryPort(self, eval_in_first_cycle=workload.is_eval_step(0))
 
     # ---- task generation -------------------------------------------------------------------
     def _new_group(self, step: int, size: int) -> Group:
@@ -336,24 +322,25 @@ class Simulation(PlannerSide):
         if self._post_update is not None:  # the last step's boundary first (a sync shorter than a tick)
             return
         if self.step_open is None:
-            need = {"global": self.M, "mini_batch": min(self.per_mini_batch, self._step_M)}.get(self.spec.consume, 1)
+            need = {Consume.GLOBAL: self.M, Consume.MINI_BATCH: min(self.per_mini_batch, self._step_M)}.get(
+                self.spec.consume, 1)
             eval_blocked = self.spec.eval_blocks_trainer and any(
                 g.done + g.failed < g.size for g in self.eval_pending)
-            if self._hybrid_on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
+            if self.hybrid.on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
                 need = max(need, min(self._lend_return_at, self._step_M))
-            if self._hybrid_on and self.switch is not None:  # verl's threshold of the batch ready first
-                need = max(need, min(self._step_M, math.ceil(self.switch.threshold() / self.mb_size)))
+            if self.hybrid.on and self.hybrid.switch is not None:  # verl's threshold of the batch ready first
+                need = max(need, min(self._step_M, math.ceil(self.hybrid.switch.threshold() / self.mb_size)))
             if eval_blocked or len(self.micro_batches) < need or not self._sampler_sees(need):
-                if self.spec.hybrid and not self._hybrid_on and self.switch is None:
-                    self._hybrid(wake=True)
-                self._budget_in_wait()
+                if self.spec.hybrid and not self.hybrid.on and self.hybrid.switch is None:
+                    self.hybrid.set(self, wake=True)
+                self.boundary.budget_in_wait()
                 return
             start = self.t
-            self._step_lent = self._hybrid_on
-            if self._hybrid_on:
-                self._hybrid(wake=False)
+            self.hybrid.step_lent = self.hybrid.on
+            if self.hybrid.on:
+                self.hybrid.set(self, wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
-            mode = self._step_ra2p_mode() if self.spec.consume == "ra2p" else None
+            mode = self._step_ra2p_mode() if self.spec.consume is Consume.RA2P else None
             self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode,
                               "share": (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0}
             self.tracker.step_started(t=start)
@@ -365,73 +352,29 @@ class Simulation(PlannerSide):
         if len(step["mbs"]) == self._step_M:
             self._finish_step(step)
         else:
-            self._budget_in_wait()  # streaming: the open step waits for its next micro-batch
+            self.boundary.budget_in_wait()  # streaming: the open step waits for its next micro-batch
 
     def _sampler_sees(self, need: int) -> bool:
         """verl separate_async's sampler looks at its replay buffer every `poll_s` from when it starts waiting
         (after the last weight sync): the `need`-th ready micro-batch counts from its first look after it."""
         poll, since = self.spec.poll_s, self.trainer_free_at
-        if not poll or self.spec.consume != "mini_batch" or self.micro_batches[need - 1][1] <= since:
+        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.micro_batches[need - 1][1] <= since:
             return True
         return self.t >= since + math.ceil((self.micro_batches[need - 1][1] - since) / poll - 1e-9) * poll
-
-    def _hybrid(self, wake: bool, switch_s: Optional[float] = None) -> None:
-        """verl separate_async's hybrid replicas: the trainer's GPUs roll out while it waits for data; when the
-        batch is ready their requests are aborted and re-routed (fresh prefill elsewhere). `switch_s`: the
-        switch to rollout (none at job start: verl's hybrid engine comes up in rollout mode)."""
-        hybrid_ranks = range(self.gpus - self.actor_ranks, self.gpus)
-        if wake:
-            switch = self.costs.switch_s if switch_s is None else switch_s
-            for r in hybrid_ranks:
-                self._add_rank(r, self.t + switch, colocated=True)
-            self._hybrid_since = self.t + switch
-            if self.ctb is None:  # CTB routes every turn itself
-                self._rebalance()
-        else:
-            for r in hybrid_ranks:
-                self._remove_rank(r)
-            self._hybrid_served_s += max(0.0, self.t - self._hybrid_since)
-        self._hybrid_on = wake
-
-    def _rebalance(self) -> None:
-        """Stock hybrid replicas lent: verl clears its load balancer's sticky cache (fully_async also aborts and
-        resubmits what is in flight), so each unfinished trajectory's next turn goes to the least-loaded server.
-        Tasks between turns move here; a running turn finishes where it is."""
-        movable = [tr for tr in self.trajs.values() if not tr.done and tr.in_engine is None and tr.rank is not None]
-        for tr in movable:
-            target = min(self.ranks, key=lambda r: (self.assigned[r], r))
-            if tr.rank in self.assigned and self.assigned[target] + 1 >= self.assigned[tr.rank]:
-                continue
-            if tr.rank in self.ranks:
-                self.ranks[tr.rank].forget(tr.tid)
-            if tr.rank in self.assigned:
-                self.assigned[tr.rank] -= 1
-            tr.rank = target
-            self.assigned[target] += 1
 
     def _finish_step(self, step: dict) -> None:
         start, mbs = step["start"], step["mbs"]
         ready_rel = [mb[1] - start for mb in mbs]
         tokens = sum(mb[3] for mb in mbs)
-        decoupled = self.spec.consume == "ra2p" and step["mode"] is RA2PMode.DECOUPLED
-        share = step["share"] if self.spec.consume == "ra2p" and step["mode"] is RA2PMode.SPLIT else 0.0
+        tide = self.spec.consume is Consume.RA2P
+        decoupled = tide and step["mode"] is RA2PMode.DECOUPLED
+        share = step["share"] if tide and step["mode"] is RA2PMode.SPLIT else 0.0
         times = self._stage_times(tokens / len(mbs), len(self.ref_ranks) if decoupled else 0)
         self._last_tokens_per_mb = tokens / len(mbs)
         ref_ranks_t_ref = self._stage_times(tokens / len(mbs), len(self.ref_ranks)).t_ref if share else 0.0
         in_step: list[float] = []  # the Actor's waits for data inside the step
-        if self.spec.consume == "global":
-            cost, mode = global_batch_cost([0.0] * len(mbs), times, in_step), "global"
-        elif self.spec.consume == "mini_batch":
-            cost, mode = mini_batch_cost(ready_rel, times, self.per_mini_batch, self.spec.poll_s, in_step), "mini_batch"
-        elif self.spec.consume == "stream_swap":
-            cost, mode = streaming_swap_cost(ready_rel, times, in_step), "stream_swap"
-        elif decoupled:
-            cost, mode = decoupled_cost(ready_rel, times, 1, in_step), "decoupled"
-        elif share:
-            cost, mode = split_cost(ready_rel, times, ref_ranks_t_ref, share, self.spec.max_aggregate,
-                                    in_step), "split"
-        else:
-            cost, mode = colocated_cost(ready_rel, times, self.spec.max_aggregate, in_step), "colocated"
+        cost, mode = step_cost(self.spec, step["mode"], share, ready_rel, times, self.per_mini_batch, ref_ranks_t_ref,
+                               in_step)
         end = start + cost
         busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else
                                                                    (1 - share) * len(mbs) * times.t_ref)
@@ -439,15 +382,15 @@ class Simulation(PlannerSide):
         # TWT as trainer tide measures it (its sampler's waits for ready data): before the step (less the time
         # the Actor's replica was lent; its switches count) and inside it; not the swaps between aggregated
         # bursts, nor the Actor's waits for Ref ranks' log-probs (work elsewhere, not data missing).
-        before_step = max(0.0, start - wait_from - self._hybrid_served_s)
+        before_step = max(0.0, start - wait_from - self.hybrid.served_s)
         actor_wait = before_step + sum(in_step)
         self.twt_in_step_gpu_s += self.actor_ranks * sum(in_step)
         self.actor_in_step_waits.extend(in_step)
-        self._hybrid_served_s = 0.0
+        self.hybrid.served_s = 0.0
         self.twt_gpu_s += self.actor_ranks * actor_wait
         # what verl's sampler counts (a wait while the replicas were lent is its switch_wait, not a sample wait)
-        sampler_s = sum(in_step) + (0.0 if self._step_lent else before_step)
-        self._sampler_waits = StepWaits(sampler_s, (len(in_step) + (0 if self._step_lent or not before_step else 1))
+        sampler_s = sum(in_step) + (0.0 if self.hybrid.step_lent else before_step)
+        self.hybrid.sampler_waits = StepWaits(sampler_s, (len(in_step) + (0 if self.hybrid.step_lent or not before_step else 1))
                                         * self.per_mini_batch * self.mb_size)
         self.tracker.trainer_waited(actor_wait)
         if self.ref_ranks:  # Ref ranks idle unless decoupled or split mode feeds them
@@ -476,67 +419,20 @@ class Simulation(PlannerSide):
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
         eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
-        if self.ers is not None or self.spec.consume == "ra2p":
-            rec.plan = self._decide(end, sync_end, eval_next, times)
-        if self.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
+        if self.ers is not None or self.spec.consume is Consume.RA2P:
+            rec.plan = self.boundary.decide(end, sync_end, eval_next, times)
+        if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
             ready_next = len(self.ready) + sum(mb[2] for mb in self.micro_batches)
-            lend = self.switch.step_ended(self._sampler_waits, ready_next,
-                                          2 * self.costs.switch_s if self._round_trips else None)
-            if lend and not self._hybrid_on and self.consumed_steps < self.w.steps:
-                self._round_trips += 1
-                self._hybrid(wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
+            lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
+                                          2 * self.costs.switch_s if self.hybrid.round_trips else None)
+            if lend and not self.hybrid.on and self.consumed_steps < self.w.steps:
+                self.hybrid.round_trips += 1
+                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
         for rr in self.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:
             self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s ({rec.mode})")
         self._pending_after_sync = (sync_end, eval_next)
-
-    # ---- verl sync -------------------------------------------------------------------------
-    def _sync_tick(self) -> None:
-        """verl's synchronous trainer: [eval rollout] -> rollout -> switch -> train -> switch."""
-        if self.t < self.phase_end or self.consumed_steps >= self.w.steps:
-            return
-        st = self._sync_state
-        if st is SyncPhase.START:
-            if self.w.is_eval_step(self.consumed_steps):
-                self._release_eval()
-                self._sync_state = SyncPhase.EVAL
-                return
-            st = self._sync_state = SyncPhase.ROLLOUT_BEGIN
-        if st is SyncPhase.EVAL:
-            if any(g.done + g.failed < g.size for g in self.eval_pending):
-                return
-            self._sync_state = st = SyncPhase.ROLLOUT_BEGIN
-        if st is SyncPhase.ROLLOUT_BEGIN:
-            per_step = self.w.groups_for(self.gpus)
-            for _ in range(per_step):
-                self._new_group(self.consumed_steps, self.w.group_size)
-            self._sync_state = SyncPhase.ROLLOUT
-            return
-        if st is SyncPhase.ROLLOUT:
-            if len(self.ready) + sum(mb[2] for mb in self.micro_batches) < self.B - self._failed_this_step():
-                return
-            self._form_micro_batches()
-            mbs = list(self.micro_batches)
-            if self.ready:
-                mbs.append((0, self.t, len(self.ready), sum(tok for _, tok, _ in self.ready),
-                            [tid for _, _, tid in self.ready]))
-            self.micro_batches.clear()
-            self.ready.clear()
-            tokens = sum(mb[3] for mb in mbs)
-            times = self._stage_times(tokens / len(mbs))
-            train = global_batch_cost([0.0] * len(mbs), times)
-            start = self.t + self.costs.switch_s
-            end = start + train
-            self.phase_end = end + self.costs.switch_s + self.costs.sync_s
-            self._consume(mbs)
-            self.consumed_steps += 1
-            self.step_records.append(StepRecord(self.consumed_steps, self._rollout_started, end, len(mbs), 0,
-                                                "sync", len(self.ranks), 0))
-            self._sync_state = SyncPhase.START
-            self._rollout_started = self.phase_end
-            if self.progress:
-                self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s")
 
     def _consume(self, mbs: list) -> None:
         """The update took these micro-batches: each sequence settles as consumed in the goodput ledger."""
@@ -559,29 +455,28 @@ class Simulation(PlannerSide):
     def run(self, max_sim_s: float = 1e6) -> Result:
         self._pending_after_sync = None
         self._post_update = None
-        self._sync_state = SyncPhase.START
-        self._rollout_started = 0.0
+        self.sync = SyncCycle() if self.spec.sync else None  # verl's synchronous trainer (sim/sync.py)
         if not self.spec.sync:
             if self.w.is_eval_step(0):
                 self._release_eval()
             if self.spec.lend_actor or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
-                self._hybrid(wake=True, switch_s=0.0)
+                self.hybrid.set(self, wake=True, switch_s=0.0)
             self._release_train_groups()
             self.tracker.rollout_started(t=self.t)
             if self.ctb is not None:
-                self.budget_inputs(mark_only=True)  # the window's first interval counts from the rollout's start
+                self.boundary.budget_inputs(mark_only=True)  # the window's first interval counts from the rollout's start
         while self.consumed_steps < self.w.steps:
             if self.t > max_sim_s:
                 raise RuntimeError(f"{self.spec.name}: not finished after {max_sim_s:.0f} simulated seconds")
-            if self.spec.sync:
-                self._sync_tick()
+            if self.sync is not None:
+                self.sync.tick(self)
             if self._post_update is not None and self.t >= self._post_update[0]:
                 self._post_update_boundary()
             if self._pending_after_sync and self.t >= self._pending_after_sync[0]:
                 _, eval_next = self._pending_after_sync
                 self._pending_after_sync = None
                 if self.ctb is not None:
-                    self.budget_inputs(mark_only=True)  # the window's next interval counts from the sync's end
+                    self.boundary.budget_inputs(mark_only=True)  # the window's next interval counts from the sync's end
                 if eval_next:
                     self._release_eval()
                 self._release_train_groups()
@@ -598,7 +493,7 @@ class Simulation(PlannerSide):
                 self._ctb_tick()
                 self._kv_wait_s += self.dt if self.ctb.waiting_for_kv else 0.0
                 if not self.ctb.count(TaskState.QUEUED):
-                    self._idle_rank_s += self.dt * sum(1 for rr in self.ranks.values() if rr.idle)
+                    self.boundary.idle_rank_s += self.dt * sum(1 for rr in self.ranks.values() if rr.idle)
                 self._generating_token_s += self.dt * self.ctb.generating_tokens
             for rr in list(self.ranks.values()):
                 idle_before = rr.idle or self.t < rr.paused_until
@@ -620,7 +515,7 @@ class Simulation(PlannerSide):
         if self.t < rr.paused_until:
             return True
         if self.spec.sync:  # idle at the barrier; during the train phase these GPUs train
-            return self._sync_state in (SyncPhase.ROLLOUT, SyncPhase.EVAL) and self.t >= self.phase_end
+            return self.sync.rollout_blocked(self.t)
         if self.ctb is not None and self.ctb.count(TaskState.QUEUED):  # as CTB's router counts out-of-work time
             return False
         return self.throttled

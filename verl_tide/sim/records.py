@@ -4,13 +4,25 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from verl_tide.ers.advice import SplitAdvice
 from verl_tide.sim.engine import Request
 from verl_tide.sim.stock import SWITCH_POLICIES
 
-CONSUME_MODES = ("global", "mini_batch", "stream_swap", "ra2p")
+
+
+class Consume(str, Enum):
+    """How a system's trainer takes ready data (a str: specs and JSON keep the plain name)."""
+
+    GLOBAL = "global"  # the whole batch, then Ref and Actor (verl's V0 async)
+    MINI_BATCH = "mini_batch"  # verl V1 separate_async / fully_async: PPO mini-batches as each is ready
+    STREAM_SWAP = "stream_swap"  # StreamRL-like: micro-batches streamed, a Ref<->Actor swap each
+    RA2P = "ra2p"  # tide
+
+
+CONSUME_MODES = tuple(c.value for c in Consume)
 
 
 @dataclass(frozen=True)
@@ -19,9 +31,7 @@ class SystemSpec:
     sync: bool = False  # verl's synchronous colocated trainer
     rollout_ratio: float = 0.25  # asynchronous: fraction of GPUs that start as rollout ranks
     routing: str = "stock"  # stock | ctb
-    # global: the whole batch, then Ref and Actor (verl's V0 async); mini_batch: verl V1 separate_async / fully_async
-    # (PPO mini-batches as each is ready); stream_swap: StreamRL-like; ra2p: tide
-    consume: str = "global"
+    consume: Consume = Consume.GLOBAL  # (a plain name is taken too)
     eval_blocks_trainer: bool = True
     elastic: bool = False  # ERS
     hybrid: bool = False  # verl separate_async hybrid replicas: idle trainer GPUs also roll out
@@ -44,6 +54,7 @@ class SystemSpec:
             raise ValueError(f"SystemSpec.routing = {self.routing!r}: must be stock | ctb")
         if self.consume not in CONSUME_MODES:
             raise ValueError(f"SystemSpec.consume = {self.consume!r}: must be {' | '.join(CONSUME_MODES)}")
+        object.__setattr__(self, "consume", Consume(self.consume))
         if self.hybrid_switch not in SWITCH_POLICIES:
             raise ValueError(f"SystemSpec.hybrid_switch = {self.hybrid_switch!r}: must be "
                              f"{' | '.join(SWITCH_POLICIES)}")

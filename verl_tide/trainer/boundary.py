@@ -1,5 +1,6 @@
-"""Trainer `tide`'s adapter to the step-boundary planner (`verl_tide.core.planner`): what the running job measured,
-as the planner's inputs, and the plan applied to the elastic ranks.
+"""Trainer `tide`'s port of the step-boundary round (`verl_tide.boundary.round`): what the running job measured, as
+the planner's inputs, and the round's effects applied to the job (ERS's moves on the elastic ranks, the Actor's
+GPUs lent through verl's hybrid switch, CTB's budget factor on its router) with what the step logs of them.
 
 Why apart: these are the only lines where the trainer's state becomes decision inputs. Keeping them as
 plain functions of plain values lets the planner replay test (tests/test_planner_replay.py) run the
@@ -8,14 +9,18 @@ trainer's adapter without a verl job, beside the simulator's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from verl_tide.core.planner import BoundaryDecision, BoundaryInputs, StageRates
-from verl_tide.ctb.window import BudgetInputs
-from verl_tide.ers.lending import LendingInputs
-from verl_tide.ers.policy import ERSPolicy, Phase, Role, ScalingPlan
+from verl_tide.boundary.planner import BoundaryDecision, BoundaryInputs, StageRates
+from verl_tide.boundary.round import PlanOutcome, RoundResult
+from verl_tide.core.readiness import ReadinessSignals
+from verl_tide.ctb.window import BudgetDecision, BudgetInputs
+from verl_tide.ers.lending import LendDecision, LendingInputs
+from verl_tide.ers.policy import Phase, RankMove, Role
 from verl_tide.ra2p.cost import StageTimer
+from verl_tide.trainer import lending
 
 
 def observe_stage_times(timer: StageTimer, timing_raw: Mapping[str, float], step_tokens: int,
@@ -72,22 +77,6 @@ def ers_phase(global_steps: int, total_steps: int, test_freq: int, overlapped_ev
     return Phase.TRAIN
 
 
-def apply_plan(plan: ScalingPlan, ers: ERSPolicy, elastic: Any, roles: MutableMapping[int, Role],
-               last_step: bool) -> tuple[list[Any], str]:
-    """Move the plan's ranks (before the weight sync); (applied moves, what happened). The policy plans moves
-    only when elastic ranks exist. On the last step nothing moves and the plan is cancelled (no cooldown)."""
-    if not plan.moves:
-        return [], "nothing to move"
-    if last_step:
-        ers.cancel(plan)
-        return [], "not applied: last step"
-    applied = elastic.before_sync(plan.moves)
-    for move in applied:
-        roles[move.rank] = move.dst
-    return applied, "applied: " + "; ".join(
-        f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} requests re-sent)" for a in applied)
-
-
 def roles_metrics(applied: Sequence[Any], roles: Mapping[int, Role]) -> dict[str, float]:
     return {
         "tide/ers/moves_applied": float(len(applied)),
@@ -98,12 +87,12 @@ def roles_metrics(applied: Sequence[Any], roles: Mapping[int, Role]) -> dict[str
     }
 
 
-def decision_metrics(decision: BoundaryDecision, step_tokens: int, timer: StageTimer) -> dict[str, float]:
+def decision_metrics(decision: BoundaryDecision, step_tokens: int, timer: Optional[StageTimer]) -> dict[str, float]:
     """What the step logs of the boundary's decision: the cost model's predictions, the readiness signals it read,
     and ERS's plan."""
     signals, plan = decision.signals, decision.plan
     m = {"tide/ledger/step_tokens_consumed": float(step_tokens),
-         "tide/ra2p/swap_s": float(timer.rate("swap") or 0.0)}
+         "tide/ra2p/swap_s": float((timer.rate("swap") if timer is not None else None) or 0.0)}
     if decision.choice is not None:
         m["tide/ra2p/predicted_decoupled_s"] = decision.choice.decoupled_s
         m["tide/ra2p/predicted_colocated_s"] = decision.choice.colocated_s
@@ -123,3 +112,62 @@ def decision_metrics(decision: BoundaryDecision, step_tokens: int, timer: StageT
         m["tide/ers/planned_moves"] = float(len(plan.moves))
         m["tide/ers/elastic_batch"] = float(plan.batch_size)
     return m
+
+
+@dataclass
+class TrainerBoundaryPort:
+    """One boundary of a running job: the round reads the readiness tracker's signals through it and acts on the
+    job's collaborators (each optional where the job has none); `metrics` collects what the step logs of the
+    round, `lend_decision` what verl's hybrid switch is told after the weight sync."""
+
+    step: int
+    signals_for: Callable[[Optional[int]], ReadinessSignals]
+    roles: MutableMapping[int, Role]  # the elastic ranks' roles, updated as ranks move
+    quarantined: Mapping[int, str] = field(default_factory=dict)  # rollout ranks out of service (rank -> why)
+    elastic: Optional[Any] = None  # `ers.elastic.ElasticRanks`: before_sync(moves) -> the moves applied
+    budget_window: Optional[Any] = None  # `trainer.budget_window.BudgetWindowReader`
+    advice: Optional[Any] = None  # `trainer.reporting.SplitAdviceReport`
+    exporter: Optional[Any] = None  # the Prometheus exporter
+    step_tokens: int = 0
+    timer: Optional[StageTimer] = None
+    metrics: dict = field(default_factory=dict)
+    lend_decision: Optional[LendDecision] = None
+    applied: list = field(default_factory=list)
+
+    def signals(self, break_even: Optional[int]) -> ReadinessSignals:
+        return self.signals_for(break_even)
+
+    def set_budget(self, decision: BudgetDecision) -> None:
+        if self.budget_window is not None:
+            self.metrics.update(self.budget_window.at_boundary(decision, self.step))
+
+    def lend(self, decision: LendDecision) -> None:
+        self.lend_decision = decision
+        self.metrics.update(lending.decision_metrics(decision))
+        print(f"verl-tide step {self.step}: ERS {'lends' if decision.lend else 'keeps'} the Actor's GPU "
+              f"({decision.reason}); it trains again at {decision.return_at_units} ready groups", flush=True)
+
+    def move_ranks(self, moves: Sequence[RankMove]) -> list[Any]:
+        """Before the weight sync. ERS plans moves only where elastic ranks exist."""
+        self.applied = list(self.elastic.before_sync(moves))
+        for move in self.applied:
+            self.roles[move.rank] = move.dst
+        return self.applied
+
+    def report(self, result: RoundResult) -> None:
+        decision = result.decision
+        self.metrics.update(decision_metrics(decision, self.step_tokens, self.timer))
+        self.metrics.update(roles_metrics(self.applied, self.roles))
+        if self.advice is not None and decision.signals is not None:
+            self.metrics.update(self.advice.metrics(decision.signals, self.roles, self.quarantined, self.step,
+                                                    result.standing_advice, result.advice_changed))
+        if self.exporter is not None and decision.plan is not None:
+            self.exporter.update_from_ers(decision.plan, decision.signals, self.roles)
+
+    def plan_note(self, result: RoundResult) -> str:
+        """What became of ERS's plan, for the step's log line."""
+        if result.plan_outcome is not PlanOutcome.APPLIED:
+            return result.plan_outcome.value
+        return "applied: " + "; ".join(f"rank {a.rank} -> {a.dst.value} ({a.seconds:.2f}s, {a.requests_resent} "
+                                       "requests re-sent)" for a in self.applied)
+

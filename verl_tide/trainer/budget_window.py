@@ -19,7 +19,7 @@ from verl_tide.ctb.window import BudgetDecision, BudgetInputs
 from verl_tide.trainer.reporting import pooled_hit_rate
 
 if TYPE_CHECKING:
-    from verl_tide.core.planner import BoundaryPlanner
+    from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.trainer.reporting import RolloutReport
 
 

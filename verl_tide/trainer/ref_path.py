@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
 from verl_tide.core.config import TideConfig, TideConfigError
-from verl_tide.core.planner import BoundaryPlanner
+from verl_tide.boundary.planner import BoundaryPlanner
 from verl_tide.job_config import ref_handoff
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from verl_tide.core.ledger import GoodputLedger, LedgerImbalanceError, Outcome
 from verl_tide.core.readiness import ReadinessSignals, ReadinessTracker
-from verl_tide.ers.advice import SplitAdviceCycle, weight_kv_tokens
+from verl_tide.boundary.round import AdviceInputs
+from verl_tide.ers.advice import SplitAdvice, weight_kv_tokens
 from verl_tide.ers.policy import Role
 from verl_tide.ra2p.cost import RA2PMode
 from verl_tide.trainer.lending import lent_metrics
@@ -162,34 +163,43 @@ def pooled_hit_rate(since: Mapping[str, Any], current: Mapping[str, Any]) -> Opt
 
 class SplitAdviceReport:
     """ERS cannot move the Actor's GPUs: where the trainer starves behind a saturated rollout, say which split to
-    start the job with (`ers.advice`). Cycles that ran an overlapped evaluation starve it by design."""
+    start the job with (`ers.advice`; the boundary round keeps the advice's cycle, as the simulator's does). This
+    is the job's view for it (GPUs per role from verl's config and the ranks' roles) and what a step logs of it."""
 
     def __init__(self, config: Any, ideal_batch: int, kv_bound: float, fixed_ref_ranks: int,
                  exporter: Optional[Any] = None):
         self.config, self.ideal_batch, self.kv_bound = config, ideal_batch, kv_bound
         self.fixed_ref_ranks, self.exporter = fixed_ref_ranks, exporter
-        self.cycle = SplitAdviceCycle()  # the simulator takes the advice through the same cycle (sim/boundary.py)
-        self.weight_kv_tokens: Optional[float] = None  # the rollout model's weights in KV tokens
+        self.weight_kv_tokens: Optional[float] = None  # the rollout model's weights in KV tokens (read once)
 
-    def update(self, signals: ReadinessSignals, roles: Mapping[int, Role], quarantined: Mapping[int, str],
-               step: int, eval_next: bool) -> dict[str, float]:
+    def _gpus(self, roles: Mapping[int, Role], quarantined: Mapping[int, str]) -> tuple[int, int, int]:
+        """(GPUs per rollout replica, GPUs rolling out now, trainer GPUs: the Actor's and every Ref GPU)."""
         rollout = self.config.actor_rollout_ref.rollout
         rollout_gpus = int(rollout.nnodes) * int(rollout.n_gpus_per_node)
         per_replica = max(1, rollout_gpus // max(1, len(roles) + len(quarantined)))
         now_rollout = per_replica * sum(r is Role.ROLLOUT for r in roles.values())
         trainer_gpus = (int(self.config.trainer.nnodes) * int(self.config.trainer.n_gpus_per_node)
                         + self.fixed_ref_ranks + per_replica * sum(r is Role.REF for r in roles.values()))
+        return per_replica, now_rollout, trainer_gpus
+
+    def inputs(self, roles: Mapping[int, Role], quarantined: Mapping[int, str]) -> AdviceInputs:
+        per_replica, now_rollout, trainer_gpus = self._gpus(roles, quarantined)
+        if self.weight_kv_tokens is None and now_rollout >= 1:
+            self.weight_kv_tokens = self._model_weight_kv_tokens()
+        return AdviceInputs(now_rollout, trainer_gpus, self.ideal_batch, self.weight_kv_tokens or None, self.kv_bound,
+                            gpus_per_replica=per_replica)
+
+    def metrics(self, signals: ReadinessSignals, roles: Mapping[int, Role], quarantined: Mapping[int, str], step: int,
+                standing: Optional[SplitAdvice], changed: bool) -> dict[str, float]:
+        """The advice standing after this boundary's round, and the rollout's KV signals it read."""
+        _, now_rollout, _ = self._gpus(roles, quarantined)
         m = {}
         if signals.rollout_kv_bound is not None:
             m["tide/rollout/kv_bound"] = float(signals.rollout_kv_bound)
         if signals.rollout_decode_context is not None:
             m["tide/rollout/decode_context_tokens"] = float(signals.rollout_decode_context)
-        if self.weight_kv_tokens is None and not self.cycle.eval_in_cycle and now_rollout >= 1:
-            self.weight_kv_tokens = self._model_weight_kv_tokens()
-        if self.cycle.update(signals, now_rollout, trainer_gpus, self.ideal_batch, self.weight_kv_tokens or None,
-                             self.kv_bound, eval_next, gpus_per_replica=per_replica):
-            print(f"verl-tide step {step}: ERS split advice: {self.cycle.standing.reason}", flush=True)
-        standing = self.cycle.standing
+        if changed and standing is not None:
+            print(f"verl-tide step {step}: ERS split advice: {standing.reason}", flush=True)
         m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
         if self.exporter is not None:
             self.exporter.update_split_advice(now_rollout, standing)

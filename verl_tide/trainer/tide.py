@@ -7,7 +7,7 @@ TransferQueue as soon as it is ready, and pushes weights to every rollout rank a
 
 - `ref_path.RefPath`: where ref log-probs come from in RA2P's mode for the step (decoupled, colocated with
   ready-batch aggregation, split; the zero-copy hand-off);
-- `verl_tide.core.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
+- `verl_tide.boundary.planner.BoundaryPlanner` through `boundary.py`: at the post-update boundary, RA2P's mode for
   the next step and ERS's plan, from the readiness signals and the measured stage times;
 - `rank_health.RankHealth`: quarantine and relaunch of rollout ranks, a weight sync that survives a death;
 - `rollout_pool.py`: the standalone rollout pool built at start-up (CTB's router, its checkpoint engine, rank
@@ -29,8 +29,10 @@ from verl.utils.profiler import marked_timer
 
 from verl_tide.buffer import TideReplayBuffer
 from verl_tide.core.ledger import GoodputLedger, Outcome
-from verl_tide.core.planner import BoundaryPlanner
+from verl_tide.boundary.planner import BoundaryPlanner
+from verl_tide.boundary.round import BoundaryRound, RoundContext
 from verl_tide.core.readiness import ReadinessTracker
+from verl_tide.ers.advice import SplitAdviceCycle
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, overlapped_evaluation, validation_buffer
 from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, tide_config_from_job
@@ -80,6 +82,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._lend = None  # ERS's last lending decision (tide.ers.lend_actor)
         self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
                                              ideal_batch(self.tide_config, config), ctb=self.tide_config.ctb)
+        self.round = BoundaryRound(self.planner, SplitAdviceCycle())  # one code path with the simulator's
         self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
         self._elastic_batch = self.planner.ers.ideal_batch  # sequences the next step trains (ERS's plan)
         self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
@@ -307,8 +310,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         with marked_timer("tide_boundary", self.timing_raw):  # readiness, RA2P and ERS decide, ranks move
             clocks = self.report.feed_rollout_clocks(self.readiness)
             self.readiness.step_finished()
-            step_metrics, plan, signals = self._decide_at_boundary(clocks)
-            step_metrics.update(self._apply_plan(plan, signals))
+            step_metrics, plan = self._boundary_round(clocks)
         mode = self.ref.step_mode() if self.use_reference_policy else None
         step_metrics["tide/ra2p/next_ref_share"] = share = self.ref.split_share() if mode is RA2PMode.SPLIT else 0.0
         if self.exporter is not None and mode is not None:
@@ -356,59 +358,49 @@ class TideTrainer(PPOTrainerSeparateAsync):
         return boundary.ers_phase(self.global_steps, self.total_training_steps, int(self.config.trainer.test_freq),
                                   self.overlapped_eval is not None)
 
-    def _decide_at_boundary(self, clocks: Optional[dict]) -> tuple[dict[str, Any], Any, Any]:
-        """This step's metrics, RA2P's mode for the next step and ERS's plan, from the planner (one code path with
-        the simulator's); `clocks`: CTB's router's, as just read for the readiness signals."""
+    def _boundary_round(self, clocks: Optional[dict]) -> tuple[dict[str, Any], Any]:
+        """The boundary round (one code path with the simulator's): the planner decides RA2P's next mode, ERS's
+        plan, lending and CTB's budget; the round applies them through this job's port. `clocks`: CTB's router's,
+        as just read for the readiness signals. Returns the step's metrics and ERS's plan."""
+        tide = self.tide_config
         step_tokens = self.ledger.tokens[Outcome.CONSUMED] - self._step_tokens_before
         boundary.observe_stage_times(self.stage_timer, verl_compat.step_timing(self), step_tokens,
                                      self.ref.swap_seconds(self.global_steps))
-        ctb_m = self.report.ctb_metrics(self.llm_server_manager.server_addresses)
-        hit_m = self.report.engine_hit_rates(self.quarantined)
+        m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps, tide.ledger_tolerance)
+        m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
+        m.update(self.report.engine_hit_rates(self.quarantined))
         inputs = boundary.boundary_inputs(
             self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
-            self.stage_timer, max(1, self.actor_rollout_wg.world_size), self.tide_config.ra2p.ref_ranks,
+            self.stage_timer, max(1, self.actor_rollout_wg.world_size), tide.ra2p.ref_ranks,
             self.rollout_roles, self.ref.replicas_up(), self.ref.verls_ref_beside_replicas(),
             bool(self.use_reference_policy),
             lending.inputs_after_update(self) if self._enable_hybrid_replicas else None,
             self.budget_window.inputs(self.quarantined, clocks, self.report.engine_scrapes)
             if self.budget_window is not None and clocks is not None else None)
-        tide = self.tide_config
-        decision = self.planner.decide(
-            inputs, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch, tau=tide.ers.tau,
-                                                      ras_break_even=be),
-            self.rollout_roles, phase=self._phase(), elastic_ref=self.elastic is not None,
+        context = RoundContext(
+            self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
-            ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0)
-        signals, plan, self._lend = decision.signals, decision.plan, decision.lend
-        m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps, tide.ledger_tolerance)
-        if self._lend is not None:
-            m.update(lending.decision_metrics(self._lend))
-            print(f"verl-tide step {self.global_steps}: ERS {'lends' if self._lend.lend else 'keeps'} the Actor's GPU "
-                  f"({self._lend.reason}); it trains again at {self._lend.return_at_units} ready groups", flush=True)
-        m.update(boundary.decision_metrics(decision, step_tokens, self.stage_timer))
+            ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0,
+            last_step=self.global_steps >= self.total_training_steps,
+            advice=self.advice.inputs(self.rollout_roles, self.quarantined))
+        port = boundary.TrainerBoundaryPort(
+            self.global_steps, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch,
+                                                                 tau=tide.ers.tau, ras_break_even=be),
+            self.rollout_roles, self.quarantined, self.elastic, self.budget_window, self.advice, self.exporter,
+            step_tokens, self.stage_timer)
+        result = self.round.run(inputs, context, port)
+        self._lend = port.lend_decision
+        m.update(port.metrics)
         m["tide/rollout/ranks_quarantined"] = float(len(self.quarantined))
         m["tide/ra2p/uses_ref"] = float(self.use_reference_policy)
-        m.update(self.advice.update(signals, self.rollout_roles, self.quarantined, self.global_steps,
-                                    self._phase() is Phase.EVAL))
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})
         m.update(self.ref.handoff_counters)
-        m.update(ctb_m)
-        m.update(hit_m)
-        if decision.budget is not None:
-            m.update(self.budget_window.at_boundary(decision.budget, self.global_steps))
-        return m, plan, signals
-
-    def _apply_plan(self, plan, signals) -> dict[str, Any]:
-        """Move the plan's ranks (before the weight sync) and report roles and RA2P's next mode after it."""
-        applied, note = boundary.apply_plan(plan, self.planner.ers, self.elastic, self.rollout_roles,
-                                            self.global_steps >= self.total_training_steps)
-        print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({note}); RA2P: "
-              f"{ra2p_text(self.ref, self.use_reference_policy)}; ledger: {ledger_text(self.ledger)}", flush=True)
-        m = boundary.roles_metrics(applied, self.rollout_roles)
         if self.ref.pool is not None:
             m["tide/ra2p/ref_replicas"] = float(self.ref.replicas_up())
+        plan = result.decision.plan
+        print(f"verl-tide step {self.global_steps}: ERS plan: {plan.reason} ({port.plan_note(result)}); RA2P: "
+              f"{ra2p_text(self.ref, self.use_reference_policy)}; ledger: {ledger_text(self.ledger)}", flush=True)
         if self.exporter is not None:
-            self.exporter.update_from_ers(plan, signals, self.rollout_roles)
             self.exporter.update_from_ledger(self.ledger)
-        return m
+        return m, plan
