@@ -141,6 +141,15 @@ def test_check_layout_accepts_separate_rollout_and_names_each_problem():
     with pytest.raises(TideConfigError, match=r"\(3 problem") as e:
         check_layout(layout(nnodes=0, backend="naive", tb=6))
     assert "rollout.nnodes = 0" in str(e.value) and "backend = naive" in str(e.value)
+    # where Ref runs, checked before Ray too: decoupled Ref ranks defer the KL term, a KL penalty in the reward
+    # cannot wait for the Actor's backward (this raised only once the Ref pool started, after Ray)
+    from verl_tide.core.config import parse_tide_config
+
+    kl_reward = OmegaConf.merge(layout(), {"algorithm": {"use_kl_in_reward": True},
+                                           "actor_rollout_ref": {"actor": {"use_kl_loss": False}}})
+    with pytest.raises(TideConfigError, match="algorithm.use_kl_in_reward must be false"):
+        check_layout(kl_reward, parse_tide_config({"ra2p": {"mode": "decoupled", "ref_ranks": 1}}))
+    check_layout(kl_reward, parse_tide_config({"ra2p": {"mode": "auto", "ref_ranks": 1}}))
 
 
 def test_unknown_tide_key_is_rejected_with_allowed_keys(tmp_path):

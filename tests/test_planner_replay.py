@@ -130,7 +130,7 @@ def test_ctbs_budget_factor_replays_through_the_trainers_planner_from_the_traine
     trace = sim.planner.trace
     factors = [rec.decision["budget"][0] for rec in trace if isinstance(rec, TraceRecord)]
     assert max(factors) >= 2.0 and sim.budget_factors == factors
-    assert sim.ctb.budgets.factor == [rec.decision["budget"][0] for rec in trace][-1]
+    assert sim.rollout.ctb.budgets.factor == [rec.decision["budget"][0] for rec in trace][-1]
     assert _budget_as_the_trainer_reads_it(sim, trace) == [c for c in _budget_inputs(trace) if c is not None]
     assert replay(_as_trainer_builds_it(sim), trace) == [rec.decision for rec in trace]
 

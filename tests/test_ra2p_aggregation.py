@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
@@ -121,6 +123,7 @@ def _path(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
     from verl_tide.core.config import parse_tide_config
     from verl_tide.boundary.planner import BoundaryPlanner
     from verl_tide.ra2p.cost import StageTimer
+    from verl_tide.ra2p.layout import RefLayout
     from verl_tide.trainer.ref_path import RefPath
 
     tide = parse_tide_config({"ra2p": {"mode": mode, "max_aggregate": max_aggregate}})
@@ -128,8 +131,8 @@ def _path(mode="auto", max_aggregate=None, ref_service=None, chosen=None):
                                "actor_rollout_ref": {"rollout": {"temperature": 1.0}, "actor": {}}})
     planner = BoundaryPlanner.build(tide.ra2p, tide.ers, ideal_batch=8)
     planner.mode = chosen
-    p = RefPath(config, tide, StageTimer(), planner, uses_ref=True)
-    p.pool, p.service, p.pool_wanted = _Pool(), ref_service, True
+    p = RefPath(config, tide, StageTimer(), planner, RefLayout(pool_wanted=True, beside_verl_ref=False))
+    p.pool, p.service = _Pool(), ref_service
     p.actor_wg = SimpleNamespace(world_size=1)
     buffer = _Buffer([(u, {f"{u}_0": {"seq_len": 5}, f"{u}_1": {"seq_len": 5}}) for u in "cdef"])
     return p, buffer, SimpleNamespace
@@ -242,7 +245,7 @@ def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_l
     verl_passes = []
     p, buffer, ns = _path(mode="auto", ref_service=object(), chosen=RA2PMode.DECOUPLED)
     p.pool = _Pool(replicas=0)
-    p.pool_wanted = False
+    p.layout = dataclasses.replace(p.layout, pool_wanted=False)
     p.ref_wg = SimpleNamespace(world_size=1)
     verl_pass = lambda batch, metrics: verl_passes.append(list(batch.keys)) or batch  # noqa: E731
     assert p.step_mode() is RA2PMode.COLOCATED  # decoupled was chosen, but no Ref replica is up
@@ -257,7 +260,7 @@ def test_verls_ref_beside_an_empty_elastic_pool_runs_colocated_until_a_rank_is_l
 
 def _handoff_path(**kwargs):
     p, buffer, ns = _path(**kwargs)
-    p.handoff, p.service_name = True, "svc"
+    p.layout, p.service_name = dataclasses.replace(p.layout, handoff=True), "svc"
     return p, buffer, ns, _no_transfer_queue(p)
 
 
@@ -298,7 +301,7 @@ def test_with_the_inputs_handoff_each_ref_rank_scores_the_share_its_actor_rank_t
     calls = []
     p, buffer, ns, written = _handoff_path(mode="auto", max_aggregate=2)
     p.pool = None
-    p.inputs_handoff = True
+    p.layout = dataclasses.replace(p.layout, inputs_handoff=True)
     p.ref_wg = SimpleNamespace(world_size=2, compute_ref_log_prob_handoff=calls.append,
                                _dispatch_info={"ref": [0, 1]})
     p.actor_wg = SimpleNamespace(world_size=2, _dispatch_info={"actor": [0, 1]})
@@ -409,7 +412,7 @@ def _split_path(replicas=1):
     calls = []
     p, buffer, ns, written = _handoff_path(mode="split", ref_service=object())
     p.pool = _Pool(replicas=replicas)
-    p.pool_wanted = False
+    p.layout = dataclasses.replace(p.layout, pool_wanted=False)
     p.ref_wg = SimpleNamespace(world_size=1, compute_ref_log_prob_handoff=calls.append)
     return p, buffer, ns, written, calls
 
@@ -449,7 +452,7 @@ def test_split_mode_without_a_replica_runs_colocated_on_verls_ref():
     assert len(calls) == 1 and len(calls[0].keys) == 8 and p.pool.passes == []
     assert m["tide/ra2p/ref_pass_samples_on_replicas"] == 0.0
     p.pool.replicas.append(object())
-    p.handoff = False  # without the hand-off the Actor's loss could not take the replicas' rows
+    p.layout = dataclasses.replace(p.layout, handoff=False)  # without the hand-off the Actor's loss could not take the replicas' rows
     assert p.step_mode() is RA2PMode.COLOCATED
 
 

@@ -178,22 +178,25 @@ def test_the_combined_actor_rollout_ref_role_gets_both_sides_of_the_hand_off():
 
     from verl_tide.core.config import parse_tide_config
     from verl_tide.ra2p.handoff_worker import ActorInputs, RefHandoff, TideActorRolloutRefWorker
+    from verl_tide.job_config import ref_layout_of
     from verl_tide.trainer.ref_path import RefPath
 
     config = OmegaConf.create({"actor_rollout_ref": {"actor": {"use_kl_loss": True, "strategy": "fsdp2"}},
                                "algorithm": {"use_kl_in_reward": False}})
-    path = RefPath(config, parse_tide_config({}), None, None, uses_ref=True)
+    tide = parse_tide_config({})
+    path = RefPath(config, tide, None, None, ref_layout_of(config, tide))
     roles = {Role.ActorRolloutRef: ray.remote(DetachActorWorker)}
     path.choose_worker_roles(roles, {})
     built = roles[Role.ActorRolloutRef].__ray_metadata__.modified_class
-    assert issubclass(built, TideActorRolloutRefWorker) and path.handoff and path.inputs_handoff
+    assert issubclass(built, TideActorRolloutRefWorker) and path.layout.handoff and path.layout.inputs_handoff
     for method, owner in (("compute_ref_log_prob_handoff", RefHandoff), ("discard_ref_handoff", RefHandoff),
                           ("update_actor", ActorInputs)):
         assert getattr(built, method).__qualname__ == f"{owner.__name__}.{method}"  # the hand-off's, not verl's
         assert hasattr(getattr(built, method), MAGIC_ATTR)  # registered: the worker group binds it
     # the same job without the hand-off (zero_copy off) keeps verl's worker
-    plain = RefPath(config, parse_tide_config({"ra2p": {"zero_copy": False}}), None, None, uses_ref=True)
+    tide = parse_tide_config({"ra2p": {"zero_copy": False}})
+    plain = RefPath(config, tide, None, None, ref_layout_of(config, tide))
     roles = {Role.ActorRolloutRef: ray.remote(DetachActorWorker)}
     plain.choose_worker_roles(roles, {})
     assert roles[Role.ActorRolloutRef].__ray_metadata__.modified_class.__mro__[1] is DetachActorWorker
-    assert not plain.handoff and not plain.inputs_handoff
+    assert not plain.layout.handoff and not plain.layout.inputs_handoff

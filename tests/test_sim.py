@@ -106,7 +106,7 @@ def _trajectory_conservation(sim: Simulation) -> None:
     from verl_tide.core.ledger import GoodputLedger, Outcome
 
     assert isinstance(sim.ledger, GoodputLedger)
-    train = [t for t in sim.trajs.values() if not t.group.is_eval]
+    train = [t for t in sim.rollout.trajs.values() if not t.group.is_eval]
     assert sim.ledger.submitted == len(train)
     assert sim.ledger.check(sim.sequences_held()) is None, (sim.ledger.snapshot(), sim.sequences_held())
     failed = sum(t.done and t.tid not in t.group.finished for t in train)
@@ -137,7 +137,7 @@ def test_every_system_trains_every_step_and_loses_nothing(spec):
     _trajectory_conservation(sim)
     assert r.ledger["eval_tokens"] > 0  # evaluation ran (at start and every 3 steps)
     if spec.hybrid or spec.lend_actor:  # the trainer's GPUs rolled out while it waited
-        assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim._retired)
+        assert any(rr.rank >= 8 - sim.actor_ranks and rr.prompt_tokens > 0 for rr in sim.rollout._retired)
     # where the waits are: parts of RWT and TWT; a global batch is trained only once all of it is there
     assert 0 <= r.twt_in_step_s <= r.twt_s and 0 <= r.rwt_sync_s <= r.rwt_s
     if not spec.sync:
@@ -157,9 +157,9 @@ def test_lend_actor_rolls_out_on_the_actors_gpus_from_the_start_and_as_ers_decid
                 model=replace(w0.model, params_b=7.0, kv_bytes_per_token=131072))
     base = Simulation(w, 8, TIDE, seed=3)
     lend = Simulation(w, 8, replace(TIDE, lend_actor=True), seed=3)
-    assert len(lend.ranks) == len(base.ranks)  # before the run: the lend starts with it
+    assert len(lend.rollout.ranks) == len(base.rollout.ranks)  # before the run: the lend starts with it
     rb, rl = base.run(), lend.run()
-    lent = [rr for rr in lend._retired if rr.rank >= 8 - lend.actor_ranks]
+    lent = [rr for rr in lend.rollout._retired if rr.rank >= 8 - lend.actor_ranks]
     assert lent and all(rr.prompt_tokens > 0 for rr in lent)
     assert rl.steps[0]["start_s"] < rb.steps[0]["start_s"]  # the first batch is ready sooner
     assert rl.twt_s < rb.twt_s
@@ -199,7 +199,7 @@ def test_same_seed_same_result_other_seed_differs():
 
 def test_tide_runs_the_production_policies():
     sim = Simulation(load_workload(TINY), 8, TIDE)
-    assert type(sim.ctb) is CTBScheduler and type(sim.ers) is ERSPolicy
+    assert type(sim.rollout.ctb) is CTBScheduler and type(sim.ers) is ERSPolicy
 
 
 def test_sync_waits_at_the_barrier_and_trainer_never_waits():

@@ -81,7 +81,7 @@ def test_verls_rule_takes_the_replicas_back_at_its_threshold_and_lends_them_afte
 
     def switch(s, wake: bool, switch_s=None) -> None:  # the replicas taken back: what was ready, what the rule asked
         if not wake:
-            starts.append((len(sim.micro_batches) * sim.mb_size, sim.hybrid.switch.threshold()))
+            starts.append((len(sim.rollout.micro_batches) * sim.mb_size, sim.hybrid.switch.threshold()))
         hybrid_set(s, wake, switch_s)
 
     sim.hybrid.set = switch

@@ -253,7 +253,7 @@ def test_a_ref_pass_on_verls_workers_comes_in_whole_micro_batches_per_rank(ref, 
     from omegaconf import OmegaConf
 
     from verl_tide.ra2p.aggregation import trim_to_multiple
-    from verl_tide.trainer.ref_path import verl_ref_pass_multiple
+    from verl_tide.trainer.verl_compat import verl_ref_pass_multiple
 
     m = verl_ref_pass_multiple(OmegaConf.create(ref), world)
     assert m == multiple

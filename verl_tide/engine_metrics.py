@@ -7,10 +7,13 @@ capacity and reports the hit rate it achieves. Exporting tide's own metrics is `
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
 from prometheus_client.parser import text_string_to_metric_families
+
+logger = logging.getLogger(__name__)
 
 # Per backend: (prefix-cache queried-token counter, hit-token counter, preemption counter).
 PREFIX_COUNTERS = {
@@ -75,3 +78,12 @@ def prefix_hit_rate(before: EngineMetrics, after: EngineMetrics) -> float:
     """Fraction of prompt tokens served from the prefix cache between two scrapes."""
     queried = after.prefix_queried_tokens - before.prefix_queried_tokens
     return (after.prefix_hit_tokens - before.prefix_hit_tokens) / queried if queried > 0 else 0.0
+
+
+def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.0) -> Optional[int]:
+    """KV capacity in tokens from an engine's `/metrics`; None if it cannot be read."""
+    try:
+        return EngineMetrics.scrape(f"http://{server_address}", backend, timeout_s).kv_capacity_tokens
+    except (OSError, ValueError) as e:
+        logger.warning("CTB: could not read the KV capacity of %s: %s", server_address, e)
+        return None

@@ -68,7 +68,8 @@ def ref_handoff(config: DictConfig, tide: TideConfig) -> bool:
 
 def ref_layout_of(config: DictConfig, tide: TideConfig) -> RefLayout:
     """Where Ref runs for this job (`ra2p.layout`); a layout that cannot run raises `TideConfigError`."""
-    return ref_layout(tide, uses_ref_model(config), ref_handoff(config, tide))
+    return ref_layout(tide, uses_ref_model(config), ref_handoff(config, tide),
+                      kl_in_reward=bool(OmegaConf.select(config, "algorithm.use_kl_in_reward", default=False)))
 
 
 def lend_actor(config: DictConfig, tide: TideConfig) -> tuple[bool, str]:

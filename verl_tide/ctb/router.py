@@ -1,24 +1,21 @@
 """CTB as verl's rollout load balancer: every turn's generate request passes through CTB.
 
-verl 0.9.1 loads a router plugin from `actor_rollout_ref.rollout.router_config_path` (a YAML file
-with `router_class`; see `verl_tide/conf/router/ctb.yaml`, path printed by
-`verl-tide paths router`). verl's `LLMServerClient` calls `acquire_server` before and
+verl 0.9.1 loads a router plugin from `actor_rollout_ref.rollout.router_config_path` (a YAML file with
+`router_class`: `verl-tide paths router`). verl's `LLMServerClient` calls `acquire_server` before and
 `release_server` after each turn of a trajectory (one `request_id` per trajectory), so:
 
 - acquire = a turn boundary: the trajectory is admitted (first turn) or reports its real context
   (`prompt_ids`), and waits here while CTB holds it paused; it is then sent to the rank CTB chose
   (the rank holding its prefix when it has headroom). No in-flight request is ever aborted.
 - release = the turn's generation ended; the task waits for its environment, still resident.
-- When CTB pauses a trajectory its environment session gets `/pause` (its inactivity timeout
-  stops), and `/resume` when CTB resumes it, for agent loops that register their session
-  (`register_env_session`; `tide_env_agent` does).
-- A trajectory ends when its agent loop says so (`finish`; verl-tide's `tide_env_agent` calls it)
-  or, for agent loops that do not, when it has not come back for `idle_finish_s` (its budget is
-  then released; if it does come back it is admitted afresh as a new task).
+- When CTB pauses a trajectory its environment session gets `/pause` (its inactivity timeout stops), and
+  `/resume` when CTB resumes it, for agent loops that register it (`register_env_session`; `tide_env_agent` does).
+- A trajectory ends when its agent loop says so (`finish`; `tide_env_agent` calls it) or, for agent loops that
+  do not, when it has not come back for `idle_finish_s` (its budget released; a return is a new task).
 
-Budgets come from each engine's real KV capacity, read from its `/metrics` (vLLM or SGLang), or
-from `kv_capacity_tokens` in the YAML. A request CTB cannot place at all (context above every
-rank's budget) is routed like stock verl (least in-flight) and counted as `bypassed`, never failed.
+Budgets come from each engine's KV capacity, read from its `/metrics` (vLLM or SGLang), or from
+`kv_capacity_tokens` in the YAML. A request CTB cannot place at all (context above every rank's budget) is
+routed like stock verl (least in-flight) and counted as `bypassed`, never failed.
 """
 
 from __future__ import annotations
@@ -34,19 +31,10 @@ from verl_tide.core.request_ids import group_of, is_eval_request
 from verl_tide.ctb.gate import TaskFailed, TurnGate
 from verl_tide.ctb.policy import CTBScheduler, Outcome, TaskState
 from verl_tide.ctb.router_metrics import RouterMetrics
-from verl_tide.engine_metrics import EngineMetrics
+from verl_tide.engine_metrics import engine_kv_capacity
 
 logger = logging.getLogger(__name__)
 MAX_FINISH_TIMES = 100_000  # groups whose finish time is kept until the trainer asks for it
-
-
-def engine_kv_capacity(server_address: str, backend: str, timeout_s: float = 10.0) -> Optional[int]:
-    """KV capacity in tokens from an engine's `/metrics`; None if it cannot be read."""
-    try:
-        return EngineMetrics.scrape(f"http://{server_address}", backend, timeout_s).kv_capacity_tokens
-    except (OSError, ValueError) as e:
-        logger.warning("CTB: could not read the KV capacity of %s: %s", server_address, e)
-        return None
 
 
 def _positive_int(config: Mapping[str, Any], key: str, default: int) -> int:

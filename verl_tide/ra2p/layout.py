@@ -13,6 +13,10 @@ from verl_tide.core.config import TideConfig, TideConfigError
 class RefLayout:
     pool_wanted: bool  # tide's Ref replicas replace verl's Ref worker group
     beside_verl_ref: bool  # tide's Ref replicas (fixed or elastic) beside verl's Ref worker group
+    handoff: bool = False  # RA2P's hand-off: ref log-probs reach the Actor's loss by sample id, not TransferQueue
+    # inputs too (verl's Ref role and the Actor's in one process, as tide's worker subclasses): known once verl's
+    # worker roles are chosen (`trainer.ref_path.RefPath.choose_worker_roles`)
+    inputs_handoff: bool = False
 
     @property
     def replicas(self) -> bool:
@@ -20,7 +24,7 @@ class RefLayout:
         return self.pool_wanted or self.beside_verl_ref
 
 
-def ref_layout(tide: TideConfig, uses_ref: bool, handoff: bool) -> RefLayout:
+def ref_layout(tide: TideConfig, uses_ref: bool, handoff: bool, kl_in_reward: bool = False) -> RefLayout:
     """With tide's own Ref replicas verl must not build its Ref worker group. Split mode keeps verl's Ref worker
     group beside tide's replicas (fixed or elastic): both score shares. verl's Ref stays on the trainer's GPUs
     (colocated) and ERS may lend rollout ranks to Ref replicas (decoupled) when tide.ers.max_ref_ranks >= 1 opts
@@ -33,10 +37,14 @@ def ref_layout(tide: TideConfig, uses_ref: bool, handoff: bool) -> RefLayout:
                                "(actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward); set it to 0"])
     if split:
         check_split_mode(tide, handoff)
+    if tide.ra2p.mode == "decoupled" and ref_ranks and kl_in_reward:
+        raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0 defers the KL term to "
+                               "the Actor's backward, so algorithm.use_kl_in_reward must be false (use "
+                               "actor_rollout_ref.actor.use_kl_loss), or set tide.ra2p.mode to auto | colocated"])
     pool_wanted = bool(uses_ref and (ref_ranks or elastic_ref_only) and not split)
     beside = bool(uses_ref and not pool_wanted and (
         (ers.enabled and (ers.max_ref_ranks or 0) >= 1) or (split and (ref_ranks or elastic_ref_only))))
-    return RefLayout(pool_wanted, beside)
+    return RefLayout(pool_wanted, beside, handoff=bool(uses_ref and handoff))
 
 
 def check_split_mode(tide: TideConfig, handoff: bool) -> None:

@@ -47,10 +47,10 @@ class SimBoundaryPort:
         not, CTB's budget factor, the split advice. Returns what the step record keeps of it."""
         sim = self.sim
         self._signals_at, self._sync_end = end, sync_end
-        roles = {r: Role.ROLLOUT for r in sim.ranks} | {r: Role.REF for r in sim.ref_ranks}
+        roles = {r: Role.ROLLOUT for r in sim.rollout.ranks} | {r: Role.REF for r in sim.ref_ranks}
         advice = None
         if sim.ers is not None:
-            advice = AdviceInputs(len(sim.ranks), sim.actor_ranks + len(sim.ref_ranks), sim.B,
+            advice = AdviceInputs(len(sim.rollout.ranks), sim.actor_ranks + len(sim.ref_ranks), sim.B,
                                   sim.costs.weight_bytes / sim.costs.kv_bytes_per_token,
                                   sim.ers_cfg.split_advice_kv_bound)
         context = RoundContext(Phase.EVAL if eval_next else Phase.TRAIN, roles if sim.ers is not None else None,
@@ -69,8 +69,8 @@ class SimBoundaryPort:
         return sim.tracker.signals(sim.B, sim.ers_cfg.tau, ras_break_even=break_even, t=self._signals_at)
 
     def set_budget(self, decision: BudgetDecision) -> None:
-        if self.sim.ctb is not None:
-            self.sim.ctb.set_budget_factor(decision.factor)
+        if self.sim.rollout.ctb is not None:
+            self.sim.rollout.ctb.set_budget_factor(decision.factor)
             self.sim.budget_factors.append(decision.factor)
 
     def lend(self, decision: LendDecision) -> None:
@@ -84,13 +84,13 @@ class SimBoundaryPort:
         """A rank to Ref leaves the rollout (never the last one); a rank back to rollout starts once loaded."""
         sim, applied = self.sim, []
         for move in moves:
-            if move.dst is Role.REF and move.rank in sim.ranks and len(sim.ranks) > 1:
-                sim._remove_rank(move.rank)
+            if move.dst is Role.REF and move.rank in sim.rollout.ranks and len(sim.rollout.ranks) > 1:
+                sim.rollout.remove_rank(move.rank)
                 sim.ref_ranks.append(move.rank)
                 applied.append(move)
             elif move.dst is Role.ROLLOUT and move.rank in sim.ref_ranks:
                 sim.ref_ranks.remove(move.rank)
-                sim._add_rank(move.rank, max(self._sync_end, self._signals_at + sim.costs.load_s))
+                sim.rollout.add_rank(move.rank, max(self._sync_end, self._signals_at + sim.costs.load_s))
                 applied.append(move)
         return applied
 
@@ -124,7 +124,7 @@ class SimBoundaryPort:
         sim = self.sim
         if not sim.spec.lend_actor:
             return None
-        return LendingInputs(ready_units=len(sim.micro_batches), units_per_mini_batch=1, mini_batches=sim._step_M,
+        return LendingInputs(ready_units=len(sim.rollout.micro_batches), units_per_mini_batch=1, mini_batches=sim._step_M,
                              switch_cost_s=2 * sim.costs.switch_s,
                              train_s_per_mini_batch=times.t_act_f + times.t_act_b,
                              last_step=sim.consumed_steps >= sim.w.steps)
@@ -134,21 +134,21 @@ class SimBoundaryPort:
         """CTB's budget factor in force, the engines' prefix-cache hit rate (prompt tokens pooled) and the rollout's
         shares since the window last decided, as trainer tide reads them (trainer/budget_window.py)."""
         sim = self.sim
-        if sim.ctb is None or not sim.ctb.ranks:
+        if sim.rollout.ctb is None or not sim.rollout.ctb.ranks:
             return None
-        ranks = sim._all_ranks_seen()
+        ranks = sim.rollout.all_ranks_seen()
         hits, prompts = sum(r.hit_tokens for r in ranks), sum(r.prompt_tokens for r in ranks)
         (hits0, prompts0) = self._hits_at_window
         if not mark_only:  # a mark moves the rollout's interval only, as trainer tide's (budget_window.py)
             self._hits_at_window = (hits, prompts)
-        busy = {r: rr.busy_s for r, rr in sim.ranks.items()}
+        busy = {r: rr.busy_s for r, rr in sim.rollout.ranks.items()}
         utilization, kv_bound = self._window_interval.read(sim.t, busy, self.idle_rank_s, sim._kv_wait_s)
         if sim.planner.trace is not None:  # what trainer tide's router and engines would have said
             self.window_reads.append({"t": sim.t, "busy_s": busy, "idle_rank_s": self.idle_rank_s,
                                       "kv_wait_s": sim._kv_wait_s, "hit_tokens": hits, "prompt_tokens": prompts,
                                       "mark_only": mark_only})
         self._window_decided_at = sim.t
-        return BudgetInputs(factor=sim.ctb.budgets.factor,
+        return BudgetInputs(factor=sim.rollout.ctb.budgets.factor,
                             hit_rate=(hits - hits0) / (prompts - prompts0) if prompts > prompts0 else None,
                             kv_bound=kv_bound, utilization=utilization)
 
@@ -157,10 +157,10 @@ class SimBoundaryPort:
         (`BoundaryPlanner.decide_budget`, as trainer tide calls it)."""
         sim = self.sim
         window = sim.planner.window
-        if sim.ctb is None or window is None or sim._pending_after_sync or \
+        if sim.rollout.ctb is None or window is None or sim._pending_after_sync or \
                 not window.due_in_wait(sim.t, self._window_decided_at):
             return  # (a sync whose end the loop has not yet marked: its pause is no stretch the window reads)
         decision = sim.planner.decide_budget(self.budget_inputs())
-        if decision is not None and decision.factor != sim.ctb.budgets.factor:
-            sim.ctb.set_budget_factor(decision.factor)
+        if decision is not None and decision.factor != sim.rollout.ctb.budgets.factor:
+            sim.rollout.ctb.set_budget_factor(decision.factor)
             self.budget_factors_in_wait.append(decision.factor)

@@ -41,6 +41,7 @@ from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 # the records lived here first; callers import SystemSpec and Result from the simulation
 from verl_tide.sim.records import CONSUME_MODES, Consume, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
+from verl_tide.sim.rollout import Rollout
 from verl_tide.sim.step_cost import step_cost
 from verl_tide.sim.hybrid import HybridReplicas
 from verl_tide.sim.stock import StepWaits, hybrid_switch
@@ -60,16 +61,7 @@ class Simulation:
         self.progress = progress
         self.B = workload.groups_for(gpus) * workload.group_size
         self.t = 0.0
-        self.env: list = []  # heap (time, seq, kind, traj)
-        self._seq = 0
-        self.trajs: dict[int, Traj] = {}
-        self.groups: list[Group] = []
-        self.released_train_groups = 0
-        self.ready: deque = deque()  # (time, tokens, tid) of sequences whose GRPO group completed
-        self.micro_batches: deque = deque()  # (mb_id, ready time, sequences, tokens, tids)
-        self.mb_count = 0
         self.consumed_steps = 0
-        self.eval_pending: list[Group] = []
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
         self.rwt_sync_gpu_s = 0.0  # part of RWT: paused by weight syncs (the rest: out of work)
@@ -79,7 +71,6 @@ class Simulation:
         # Goodput: the product's ledger. Its unit of settlement here is a sequence (the simulator's micro-batches
         # split GRPO groups; trainer tide's take whole groups), so its "groups" count sequences.
         self.ledger = GoodputLedger(clock=lambda: self.t)
-        self.stats = {"eval_tokens": 0, "eval_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
         # roles
         if spec.sync:
             n_rollout = gpus
@@ -88,7 +79,8 @@ class Simulation:
             n_rollout = min(gpus - 1, max(1, round(gpus * spec.rollout_ratio)))
             self.actor_ranks = gpus - n_rollout
         cap = self.costs.kv_capacity_colocated if spec.sync else self.costs.kv_capacity_tokens
-        self.ranks: dict[int, RolloutRank] = {r: RolloutRank(r, cap, self.costs) for r in range(n_rollout)}
+        self.rollout = Rollout(self, {r: RolloutRank(r, cap, self.costs) for r in range(n_rollout)},
+                               CTBScheduler(tide_ctb, {r: cap for r in range(n_rollout)}) if spec.routing == "ctb" else None)
         self.ref_ranks: list[int] = []
         # M micro-batches of equal size per step, M * mb_size <= B (the few left over wait for the next step)
         self.M = max(1, math.ceil(self.B / (self.actor_ranks * spec.micro_batch_per_gpu)))
@@ -97,11 +89,6 @@ class Simulation:
         # the trainer's GPUs rolling out: verl's hybrid replicas (its own rule, sim/stock.py) or tide's lending
         self.hybrid = HybridReplicas(range(gpus - self.actor_ranks, gpus), hybrid_switch(
             spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout, spec.poll_s) if spec.hybrid else None)
-        # routing
-        self.ctb: Optional[CTBScheduler] = None
-        self.assigned: dict[int, int] = {r: 0 for r in self.ranks}
-        if spec.routing == "ctb":
-            self.ctb = CTBScheduler(tide_ctb, {r: cap for r in self.ranks})
         # trainer
         self.trainer_free_at = 0.0  # end of the last update + sync
         self.step_open: Optional[dict] = None
@@ -110,7 +97,7 @@ class Simulation:
         # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
         self.planner = BoundaryPlanner.build(dataclasses.replace(tide_ra2p, max_aggregate=spec.max_aggregate),
                                              tide_ers, self.B, elastic=spec.elastic,
-                                             ctb=tide_ctb if self.ctb is not None else None)
+                                             ctb=tide_ctb if self.rollout.ctb is not None else None)
         self.ers = self.planner.ers
         self._step_M = self.M  # micro-batches the next step trains: ERS's elastic batch, else all M
         self.ers_cfg = tide_ers
@@ -120,187 +107,10 @@ class Simulation:
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p
-        self._retired: list[RolloutRank] = []  # ranks that left the rollout role (their hit counts stay)
         self._kv_wait_s = 0.0  # seconds CTB held work back for KV budget (as its router counts them)
         self._generating_token_s = 0.0  # time integral of CTB's `generating_tokens` (the decode load)
         self.split_advice: Optional[SplitAdvice] = None  # ERS's split advice, the last that stood
         self.boundary = SimBoundaryPort(self, eval_in_first_cycle=workload.is_eval_step(0))
-
-    # ---- task generation -------------------------------------------------------------------
-    def _new_group(self, step: int, size: int) -> Group:
-        w, rng = self.w, self.rng
-        g = Group(len(self.groups), step, size, prompt=w.prompt_tokens.sample_int(rng))
-        self.groups.append(g)
-        if not g.is_eval:
-            self.ledger.groups_submitted(size)
-        for _ in range(size):
-            n = w.turns.sample_int(rng)
-            actions = [w.action_tokens.sample_int(rng) for _ in range(n)]
-            obs = [w.observation_tokens.sample_int(rng) for _ in range(n - 1)]
-            lat = [w.env_latency_s.sample(rng) for _ in range(n - 1)]
-            tr = Traj(len(self.trajs), g, actions, obs, lat, w.env_start_s.sample(rng), context=g.prompt,
-                      trained_tokens=g.prompt + sum(actions) + sum(obs))
-            self.trajs[tr.tid] = tr
-            self._start(tr)
-        return g
-
-    def _release_train_groups(self) -> None:
-        """Asynchronous systems: groups of step s may start once step s - 1 - max_staleness is consumed."""
-        per_step = self.w.groups_for(self.gpus)
-        limit_step = self.w.steps - 1 if self.spec.sync else min(
-            self.w.steps - 1, self.consumed_steps + self.w.max_staleness)
-        while self.released_train_groups < (limit_step + 1) * per_step:
-            self._new_group(self.released_train_groups // per_step, self.w.group_size)
-            self.released_train_groups += 1
-
-    def _release_eval(self) -> None:
-        e = self.w.eval
-        self.eval_pending = [self._new_group(-1, e.group_size) for _ in range(e.groups)]
-
-    @property
-    def throttled(self) -> bool:
-        return self.released_train_groups < self.w.steps * self.w.groups_for(self.gpus)
-
-    # ---- routing ---------------------------------------------------------------------------
-    def _start(self, tr: Traj) -> None:
-        if self.ctb is not None:
-            # As in production: the agent loop starts its environment, then asks the router for its first
-            # turn; CTB sees the task (and may hold it) only from then on.
-            self._after(tr.start_latency, "ctb_add", tr)
-            return
-        tr.rank = min(self.ranks, key=lambda r: (self.assigned[r], r))
-        self.assigned[tr.rank] += 1
-        self._after(tr.start_latency, "turn", tr)
-
-    def _after(self, delay: float, kind: str, tr: Traj) -> None:
-        self._seq += 1
-        heapq.heappush(self.env, (self.t + delay, self._seq, kind, tr))
-
-    def _turn_due(self, tr: Traj) -> None:
-        if self.ctb is not None:
-            if self.ctb.tasks[tr.tid].state is not TaskState.RESIDENT:
-                tr.pending = True
-                return
-            self.ctb.turn_started(tr.tid, tr.context)
-        elif tr.rank not in self.ranks:
-            tr.rank = min(self.ranks, key=lambda r: (self.assigned[r], r))
-            self.assigned[tr.rank] += 1
-        tr.pending = False
-        req = Request(tr.tid, tr.group.gid, tr.context, tr.actions[tr.turn], tr.group.prompt)
-        tr.in_engine = req
-        self.ranks[tr.rank].submit(req, self.t)
-
-    def _ctb_tick(self) -> None:
-        out = self.ctb.tick()
-        for d in out.admissions:
-            tr = self.trajs[d.task_id]
-            tr.rank = d.rank
-            self._turn_due(tr)
-        for d in out.resumes:
-            tr = self.trajs[d.task_id]
-            if tr.rank != d.rank:
-                self.ranks[tr.rank].forget(tr.tid) if tr.rank in self.ranks else None
-            tr.rank = d.rank
-            if tr.pending:
-                self._turn_due(tr)
-        for d in out.failed:
-            self._fail(self.trajs[d.task_id])
-
-    def _fail(self, tr: Traj) -> None:
-        tr.done = True
-        tr.group.failed += 1
-        if tr.group.is_eval:
-            self.stats["eval_failed_sequences"] += 1
-        else:
-            self.ledger.settle(tr.tid, Outcome.DROPPED_FAILED, samples=1, tokens=tr.generated)
-        self._group_progress(tr.group)
-
-    def _turn_finished(self, tr: Traj) -> None:
-        tr.in_engine = None
-        tr.generated += tr.actions[tr.turn]
-        self.stats["generated_tokens"] += tr.actions[tr.turn]
-        tr.context += tr.actions[tr.turn]
-        if self.ctb is not None:
-            self.ctb.turn_finished(tr.tid)
-        if tr.turn + 1 == len(tr.actions):
-            tr.done = True
-            if tr.rank in self.ranks:
-                self.ranks[tr.rank].forget(tr.tid)
-            if self.ctb is not None:
-                self.ctb.task_finished(tr.tid, Outcome.CONSUMED)
-            elif tr.rank in self.assigned:
-                self.assigned[tr.rank] -= 1
-            tr.group.done += 1
-            tr.group.tokens.append(tr.trained_tokens)
-            tr.group.finished.append(tr.tid)
-            self._group_progress(tr.group)
-            return
-        self._after(tr.latencies[tr.turn], "obs", tr)
-
-    def _observation(self, tr: Traj) -> None:
-        tr.context += tr.observations[tr.turn]
-        tr.turn += 1
-        win = self.w.context_window
-        if win is not None and tr.context > win.max_tokens:
-            tr.context = win.keep_tokens  # pruned history: the cached prefix no longer matches
-            if tr.rank in self.ranks:
-                self.ranks[tr.rank].forget(tr.tid)
-        self._turn_due(tr)
-
-    def _group_progress(self, g: Group) -> None:
-        if g.done + g.failed < g.size:
-            return
-        if g.is_eval:
-            self.stats["eval_tokens"] += sum(g.tokens)
-            return
-        for tok, tid in zip(g.tokens, g.finished):
-            self.ledger.group_ready(tid, 1, tok)
-            self.ready.append((self.t, tok, tid))
-        self._form_micro_batches()
-
-    def _form_micro_batches(self) -> None:
-        while len(self.ready) >= self.mb_size:
-            seqs = [self.ready.popleft() for _ in range(self.mb_size)]
-            self.mb_count += 1
-            mb = (self.mb_count, self.t, len(seqs), sum(tok for _, tok, _ in seqs), [tid for _, _, tid in seqs])
-            self.micro_batches.append(mb)
-            self.tracker.micro_batch_ready(mb[0], mb[2], t=self.t)
-
-    # ---- ranks changing role ---------------------------------------------------------------
-    def _remove_rank(self, rank: int) -> None:
-        rr = self.ranks.pop(rank)
-        self._retired.append(rr)
-        decoded = {id(req): req.action - (target - rr.progress) for target, _, req in rr.decoding}
-        for req in rr.abort_all():
-            tr = self.trajs[req.task]
-            done = max(0, int(decoded.get(id(req), 0)))
-            if self.spec.partial_rollout and done < tr.actions[tr.turn]:  # resumed elsewhere with its tokens so far
-                tr.actions[tr.turn] -= done
-                tr.context += done
-                tr.generated += done
-                self.stats["generated_tokens"] += done
-            else:
-                self.stats["regenerated_tokens"] += done  # generated, lost, redone
-            tr.in_engine = None
-            tr.pending = True
-        if self.ctb is not None:
-            self.ctb.remove_rank(rank)
-        else:
-            self.assigned.pop(rank, None)
-        for tr in self.trajs.values():  # held turns of the moved tasks go out on resume / re-route
-            if tr.rank == rank and not tr.done:
-                tr.rank = None if self.ctb is not None else rank
-                if self.ctb is None and tr.pending:
-                    self._turn_due(tr)
-
-    def _add_rank(self, rank: int, ready_at: float, colocated: bool = False) -> None:
-        cap = self.costs.kv_capacity_colocated if colocated else self.costs.kv_capacity_tokens
-        rr = RolloutRank(rank, cap, self.costs, paused_until=ready_at)
-        self.ranks[rank] = rr
-        if self.ctb is not None:
-            self.ctb.add_rank(rank, rr.kv_capacity)
-        else:
-            self.assigned[rank] = 0
 
     # ---- the trainer -----------------------------------------------------------------------
     def _stage_times(self, tokens_per_mb: float, ref_ranks: int = 0) -> StageTimes:
@@ -325,12 +135,12 @@ class Simulation:
             need = {Consume.GLOBAL: self.M, Consume.MINI_BATCH: min(self.per_mini_batch, self._step_M)}.get(
                 self.spec.consume, 1)
             eval_blocked = self.spec.eval_blocks_trainer and any(
-                g.done + g.failed < g.size for g in self.eval_pending)
+                g.done + g.failed < g.size for g in self.rollout.eval_pending)
             if self.hybrid.on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
                 need = max(need, min(self._lend_return_at, self._step_M))
             if self.hybrid.on and self.hybrid.switch is not None:  # verl's threshold of the batch ready first
                 need = max(need, min(self._step_M, math.ceil(self.hybrid.switch.threshold() / self.mb_size)))
-            if eval_blocked or len(self.micro_batches) < need or not self._sampler_sees(need):
+            if eval_blocked or len(self.rollout.micro_batches) < need or not self._sampler_sees(need):
                 if self.spec.hybrid and not self.hybrid.on and self.hybrid.switch is None:
                     self.hybrid.set(self, wake=True)
                 self.boundary.budget_in_wait()
@@ -341,12 +151,12 @@ class Simulation:
                 self.hybrid.set(self, wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
             mode = self._step_ra2p_mode() if self.spec.consume is Consume.RA2P else None
-            self.step_open = {"start": start, "mbs": [], "ras": len(self.micro_batches), "mode": mode,
+            self.step_open = {"start": start, "mbs": [], "ras": len(self.rollout.micro_batches), "mode": mode,
                               "share": (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0}
             self.tracker.step_started(t=start)
         step = self.step_open
-        while self.micro_batches and len(step["mbs"]) < self._step_M:
-            mb = self.micro_batches.popleft()
+        while self.rollout.micro_batches and len(step["mbs"]) < self._step_M:
+            mb = self.rollout.micro_batches.popleft()
             self.tracker.micro_batch_consumed(mb[0], t=self.t)
             step["mbs"].append(mb)
         if len(step["mbs"]) == self._step_M:
@@ -358,9 +168,9 @@ class Simulation:
         """verl separate_async's sampler looks at its replay buffer every `poll_s` from when it starts waiting
         (after the last weight sync): the `need`-th ready micro-batch counts from its first look after it."""
         poll, since = self.spec.poll_s, self.trainer_free_at
-        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.micro_batches[need - 1][1] <= since:
+        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.rollout.micro_batches[need - 1][1] <= since:
             return True
-        return self.t >= since + math.ceil((self.micro_batches[need - 1][1] - since) / poll - 1e-9) * poll
+        return self.t >= since + math.ceil((self.rollout.micro_batches[need - 1][1] - since) / poll - 1e-9) * poll
 
     def _finish_step(self, step: dict) -> None:
         start, mbs = step["start"], step["mbs"]
@@ -402,7 +212,7 @@ class Simulation:
         self._consume(mbs)
         self.consumed_steps += 1
         self.step_open = None
-        rec = StepRecord(self.consumed_steps, start, end, len(mbs), step["ras"], mode, len(self.ranks),
+        rec = StepRecord(self.consumed_steps, start, end, len(mbs), step["ras"], mode, len(self.rollout.ranks),
                          len(self.ref_ranks))
         self.step_records.append(rec)
         self.trainer_free_at = end + self.costs.sync_s  # no new step before the update and its sync
@@ -414,7 +224,7 @@ class Simulation:
         self._post_update = None
         # As trainer tide reads CTB's router: each rank's seconds with a request in flight. Idling under the
         # staleness bound is fed to RWT tick by tick (`run`), so no idle clock here.
-        self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.ranks.items()}, kv_wait_s=self._kv_wait_s,
+        self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.rollout.ranks.items()}, kv_wait_s=self._kv_wait_s,
                                     generating_token_s=self._generating_token_s)
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
@@ -422,13 +232,13 @@ class Simulation:
         if self.ers is not None or self.spec.consume is Consume.RA2P:
             rec.plan = self.boundary.decide(end, sync_end, eval_next, times)
         if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
-            ready_next = len(self.ready) + sum(mb[2] for mb in self.micro_batches)
+            ready_next = len(self.rollout.ready) + sum(mb[2] for mb in self.rollout.micro_batches)
             lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
                                           2 * self.costs.switch_s if self.hybrid.round_trips else None)
             if lend and not self.hybrid.on and self.consumed_steps < self.w.steps:
                 self.hybrid.round_trips += 1
                 self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
-        for rr in self.ranks.values():
+        for rr in self.rollout.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:
             self.progress(f"{self.spec.name}: step {self.consumed_steps}/{self.w.steps} at {end:.0f}s ({rec.mode})")
@@ -443,13 +253,13 @@ class Simulation:
     def sequences_held(self) -> int:
         """Training sequences generating, or ready and not consumed, counted from the simulation's own state
         (not from the ledger): the ledger's check, as trainer tide counts what TransferQueue holds."""
-        generating = sum(1 for t in self.trajs.values() if not t.done and not t.group.is_eval)
-        waiting_for_siblings = sum(len(g.finished) for g in self.groups if not g.is_eval and g.done + g.failed < g.size)
+        generating = sum(1 for t in self.rollout.trajs.values() if not t.done and not t.group.is_eval)
+        waiting_for_siblings = sum(len(g.finished) for g in self.rollout.groups if not g.is_eval and g.done + g.failed < g.size)
         taken = sum(mb[2] for mb in self.step_open["mbs"]) if self.step_open else 0  # by the step being trained
-        return generating + waiting_for_siblings + len(self.ready) + sum(mb[2] for mb in self.micro_batches) + taken
+        return generating + waiting_for_siblings + len(self.rollout.ready) + sum(mb[2] for mb in self.rollout.micro_batches) + taken
 
     def _failed_this_step(self) -> int:
-        return sum(g.failed for g in self.groups if g.step == self.consumed_steps)
+        return sum(g.failed for g in self.rollout.groups if g.step == self.consumed_steps)
 
     # ---- the loop --------------------------------------------------------------------------
     def run(self, max_sim_s: float = 1e6) -> Result:
@@ -458,12 +268,12 @@ class Simulation:
         self.sync = SyncCycle() if self.spec.sync else None  # verl's synchronous trainer (sim/sync.py)
         if not self.spec.sync:
             if self.w.is_eval_step(0):
-                self._release_eval()
+                self.rollout.release_eval()
             if self.spec.lend_actor or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
                 self.hybrid.set(self, wake=True, switch_s=0.0)
-            self._release_train_groups()
+            self.rollout.release_train_groups()
             self.tracker.rollout_started(t=self.t)
-            if self.ctb is not None:
+            if self.rollout.ctb is not None:
                 self.boundary.budget_inputs(mark_only=True)  # the window's first interval counts from the rollout's start
         while self.consumed_steps < self.w.steps:
             if self.t > max_sim_s:
@@ -475,34 +285,34 @@ class Simulation:
             if self._pending_after_sync and self.t >= self._pending_after_sync[0]:
                 _, eval_next = self._pending_after_sync
                 self._pending_after_sync = None
-                if self.ctb is not None:
+                if self.rollout.ctb is not None:
                     self.boundary.budget_inputs(mark_only=True)  # the window's next interval counts from the sync's end
                 if eval_next:
-                    self._release_eval()
-                self._release_train_groups()
-            while self.env and self.env[0][0] <= self.t:
-                _, _, kind, tr = heapq.heappop(self.env)
+                    self.rollout.release_eval()
+                self.rollout.release_train_groups()
+            while self.rollout.env and self.rollout.env[0][0] <= self.t:
+                _, _, kind, tr = heapq.heappop(self.rollout.env)
                 if kind == "turn":
-                    self._turn_due(tr)
+                    self.rollout.turn_due(tr)
                 elif kind == "ctb_add":
                     g = tr.group
-                    self.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
+                    self.rollout.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
                 else:
-                    self._observation(tr)
-            if self.ctb is not None:
-                self._ctb_tick()
-                self._kv_wait_s += self.dt if self.ctb.waiting_for_kv else 0.0
-                if not self.ctb.count(TaskState.QUEUED):
-                    self.boundary.idle_rank_s += self.dt * sum(1 for rr in self.ranks.values() if rr.idle)
-                self._generating_token_s += self.dt * self.ctb.generating_tokens
-            for rr in list(self.ranks.values()):
+                    self.rollout.observation(tr)
+            if self.rollout.ctb is not None:
+                self.rollout.ctb_tick()
+                self._kv_wait_s += self.dt if self.rollout.ctb.waiting_for_kv else 0.0
+                if not self.rollout.ctb.count(TaskState.QUEUED):
+                    self.boundary.idle_rank_s += self.dt * sum(1 for rr in self.rollout.ranks.values() if rr.idle)
+                self._generating_token_s += self.dt * self.rollout.ctb.generating_tokens
+            for rr in list(self.rollout.ranks.values()):
                 idle_before = rr.idle or self.t < rr.paused_until
                 for req in rr.advance(self.t, self.dt):
-                    self._turn_finished(self.trajs[req.task])
+                    self.rollout.turn_finished(self.rollout.trajs[req.task])
                 if idle_before and self._rollout_blocked(rr):
                     self.rwt_gpu_s += self.dt
                     self.rwt_sync_gpu_s += self.dt if self.t < rr.paused_until else 0.0
-                    self.tracker.rollout_waited(self.dt / len(self.ranks))  # wall-clock share of the rollout side
+                    self.tracker.rollout_waited(self.dt / len(self.rollout.ranks))  # wall-clock share of the rollout side
             self.t += self.dt
             if not self.spec.sync:
                 self._trainer_tick()
@@ -516,14 +326,14 @@ class Simulation:
             return True
         if self.spec.sync:  # idle at the barrier; during the train phase these GPUs train
             return self.sync.rollout_blocked(self.t)
-        if self.ctb is not None and self.ctb.count(TaskState.QUEUED):  # as CTB's router counts out-of-work time
+        if self.rollout.ctb is not None and self.rollout.ctb.count(TaskState.QUEUED):  # as CTB's router counts out-of-work time
             return False
-        return self.throttled
+        return self.rollout.throttled
 
     def _result(self, makespan: float) -> Result:
-        hits = sum(r.hit_tokens for r in self._all_ranks_seen())
-        prompts = sum(r.prompt_tokens for r in self._all_ranks_seen())
-        in_flight = sum(t.generated for t in self.trajs.values() if not t.done or
+        hits = sum(r.hit_tokens for r in self.rollout.all_ranks_seen())
+        prompts = sum(r.prompt_tokens for r in self.rollout.all_ranks_seen())
+        in_flight = sum(t.generated for t in self.rollout.trajs.values() if not t.done or
                         (not t.group.is_eval and t.group.step >= self.consumed_steps))
         return Result(
             system=self.spec.name, gpus=self.gpus, rollout_ratio=None if self.spec.sync else self.spec.rollout_ratio,
@@ -539,10 +349,7 @@ class Simulation:
         """The bench JSON's `ledger`: the goodput ledger's outcomes and the simulator's token statistics."""
         ledger, c, f = self.ledger, Outcome.CONSUMED, Outcome.DROPPED_FAILED
         return {"consumed_tokens": ledger.tokens[c], "consumed_sequences": ledger.samples[c],
-                "eval_tokens": self.stats["eval_tokens"], "dropped_failed_tokens": ledger.tokens[f],
-                "dropped_failed_sequences": ledger.samples[f], "regenerated_tokens": self.stats["regenerated_tokens"],
-                "generated_tokens": self.stats["generated_tokens"], "in_flight_tokens": in_flight_tokens,
-                "in_flight_sequences": ledger.in_flight_groups, "eval_failed_sequences": self.stats["eval_failed_sequences"]}
-
-    def _all_ranks_seen(self) -> list[RolloutRank]:
-        return [*self.ranks.values(), *self._retired]
+                "eval_tokens": self.rollout.stats["eval_tokens"], "dropped_failed_tokens": ledger.tokens[f],
+                "dropped_failed_sequences": ledger.samples[f], "regenerated_tokens": self.rollout.stats["regenerated_tokens"],
+                "generated_tokens": self.rollout.stats["generated_tokens"], "in_flight_tokens": in_flight_tokens,
+                "in_flight_sequences": ledger.in_flight_groups, "eval_failed_sequences": self.rollout.stats["eval_failed_sequences"]}

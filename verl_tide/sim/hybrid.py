@@ -29,13 +29,13 @@ class HybridReplicas:
         if wake:
             switch = sim.costs.switch_s if switch_s is None else switch_s
             for r in self.ranks:
-                sim._add_rank(r, sim.t + switch, colocated=True)
+                sim.rollout.add_rank(r, sim.t + switch, colocated=True)
             self.since = sim.t + switch
-            if sim.ctb is None:  # CTB routes every turn itself
+            if sim.rollout.ctb is None:  # CTB routes every turn itself
                 self._rebalance(sim)
         else:
             for r in self.ranks:
-                sim._remove_rank(r)
+                sim.rollout.remove_rank(r)
             self.served_s += max(0.0, sim.t - self.since)
         self.on = wake
 
@@ -44,14 +44,14 @@ class HybridReplicas:
         """Stock hybrid replicas lent: verl clears its load balancer's sticky cache (fully_async also aborts and
         resubmits what is in flight), so each unfinished trajectory's next turn goes to the least-loaded server.
         Tasks between turns move here; a running turn finishes where it is."""
-        movable = [tr for tr in sim.trajs.values() if not tr.done and tr.in_engine is None and tr.rank is not None]
+        movable = [tr for tr in sim.rollout.trajs.values() if not tr.done and tr.in_engine is None and tr.rank is not None]
         for tr in movable:
-            target = min(sim.ranks, key=lambda r: (sim.assigned[r], r))
-            if tr.rank in sim.assigned and sim.assigned[target] + 1 >= sim.assigned[tr.rank]:
+            target = min(sim.rollout.ranks, key=lambda r: (sim.rollout.assigned[r], r))
+            if tr.rank in sim.rollout.assigned and sim.rollout.assigned[target] + 1 >= sim.rollout.assigned[tr.rank]:
                 continue
-            if tr.rank in sim.ranks:
-                sim.ranks[tr.rank].forget(tr.tid)
-            if tr.rank in sim.assigned:
-                sim.assigned[tr.rank] -= 1
+            if tr.rank in sim.rollout.ranks:
+                sim.rollout.ranks[tr.rank].forget(tr.tid)
+            if tr.rank in sim.rollout.assigned:
+                sim.rollout.assigned[tr.rank] -= 1
             tr.rank = target
-            sim.assigned[target] += 1
+            sim.rollout.assigned[target] += 1

@@ -37,30 +37,30 @@ class SyncCycle:
             return
         if self.phase is SyncPhase.START:
             if sim.w.is_eval_step(sim.consumed_steps):
-                sim._release_eval()
+                sim.rollout.release_eval()
                 self.phase = SyncPhase.EVAL
                 return
             self.phase = SyncPhase.ROLLOUT_BEGIN
         if self.phase is SyncPhase.EVAL:
-            if any(g.done + g.failed < g.size for g in sim.eval_pending):
+            if any(g.done + g.failed < g.size for g in sim.rollout.eval_pending):
                 return
             self.phase = SyncPhase.ROLLOUT_BEGIN
         if self.phase is SyncPhase.ROLLOUT_BEGIN:
             for _ in range(sim.w.groups_for(sim.gpus)):
-                sim._new_group(sim.consumed_steps, sim.w.group_size)
+                sim.rollout.new_group(sim.consumed_steps, sim.w.group_size)
             self.phase = SyncPhase.ROLLOUT
             return
-        if len(sim.ready) + sum(mb[2] for mb in sim.micro_batches) < sim.B - sim._failed_this_step():
+        if len(sim.rollout.ready) + sum(mb[2] for mb in sim.rollout.micro_batches) < sim.B - sim._failed_this_step():
             return
         self._train(sim)
 
     def _train(self, sim: Simulation) -> None:
-        sim._form_micro_batches()
-        mbs = list(sim.micro_batches)
-        if sim.ready:
-            mbs.append((0, sim.t, len(sim.ready), sum(tok for _, tok, _ in sim.ready), [tid for _, _, tid in sim.ready]))
-        sim.micro_batches.clear()
-        sim.ready.clear()
+        sim.rollout.form_micro_batches()
+        mbs = list(sim.rollout.micro_batches)
+        if sim.rollout.ready:
+            mbs.append((0, sim.t, len(sim.rollout.ready), sum(tok for _, tok, _ in sim.rollout.ready), [tid for _, _, tid in sim.rollout.ready]))
+        sim.rollout.micro_batches.clear()
+        sim.rollout.ready.clear()
         tokens = sum(mb[3] for mb in mbs)
         times = sim._stage_times(tokens / len(mbs))
         train = global_batch_cost([0.0] * len(mbs), times)
@@ -70,7 +70,7 @@ class SyncCycle:
         sim._consume(mbs)
         sim.consumed_steps += 1
         sim.step_records.append(StepRecord(sim.consumed_steps, self.rollout_started, end, len(mbs), 0, "sync",
-                                           len(sim.ranks), 0))
+                                           len(sim.rollout.ranks), 0))
         self.phase = SyncPhase.START
         self.rollout_started = self.phase_end
         if sim.progress:

@@ -9,7 +9,6 @@ from typing import Any
 
 from verl_tide.core.config import TideConfig, TideConfigError
 from verl_tide.ers.policy import RankMove, Role
-from verl_tide.ra2p.layout import RefLayout, check_split_mode, ref_layout  # noqa: F401  (trainer tide's start-up)
 
 
 def initial_ref_moves(tide: TideConfig, roles: MutableMapping[int, Role]) -> list[RankMove]:

@@ -9,26 +9,26 @@
 - the colocated hand-off (`tide.ra2p.zero_copy`, `ra2p/handoff.py`): rows (and inputs) reach the Actor's loss
   by sample id, in the same process, instead of through TransferQueue.
 
-Why a module: all of this is one concern (which Ref runs where, and what the Actor's loss reads), and the
-trainer only needs three verbs from it per mini-batch: `before_old_log_prob`, `score`, `after_update`.
-"""
+Why a module: one concern (which Ref runs where, what the Actor's loss reads); the trainer's verbs per mini-batch
+are `before_old_log_prob`, `score`, `update_actor`."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
 from typing import Any, Optional, Protocol
 
-from verl_tide.core.config import TideConfig, TideConfigError
+from verl_tide.core.config import TideConfig
 from verl_tide.boundary.planner import BoundaryPlanner
-from verl_tide.job_config import ref_handoff
 from verl_tide.ra2p.aggregation import (RefAggregator, rank_aligned_order, split_ref_pass, trim_to_multiple,
                                         window_groups_left)
 from verl_tide.ra2p.cost import RA2PMode, StageTimer, next_step_mode
 from verl_tide.ra2p.handoff import SampleIds
+from verl_tide.ra2p.layout import RefLayout
 from verl_tide.trainer.boundary import observe_ref_replicas
-from verl_tide.trainer.verl_compat import dispatch_layout
+from verl_tide.trainer.verl_compat import dispatch_layout, verl_ref_pass_multiple
 
 SWAP_MEASURE_EVERY = 10  # steps between two measurements of the Ref<->Actor swap (each costs a swap pair)
 VerlRefPass = Callable[[Any, dict], Any]  # verl's `_compute_ref_log_prob(batch, metrics)`
@@ -47,23 +47,9 @@ class ReadyGroups(Protocol):
     def ready_groups(self, global_steps: int, limit: int, exclude: set[str] = ...) -> list[tuple[str, dict]]: ...
 
 
-def verl_ref_pass_multiple(ref_config: Any, world_size: int) -> int:
-    """Rows a Ref pass on verl's worker group must come in multiples of: verl splits the pass evenly over its
-    ranks, and each rank's share must be whole micro-batches (verl 0.9.1 asserts it in
-    `engine/utils.prepare_micro_batches` unless `log_prob_use_dynamic_bsz`). A pass of the mini-batch and one
-    group scored ahead broke this on 2 ranks with 2-row micro-batches (a fresh-clone CI run, 2026-12-03)."""
-    ranks = max(1, int(world_size))
-    if ref_config.get("log_prob_use_dynamic_bsz", False):
-        return ranks
-    per_gpu = ref_config.get("log_prob_micro_batch_size_per_gpu")
-    if per_gpu is None and ref_config.get("log_prob_micro_batch_size") is not None:  # verl's deprecated global key
-        per_gpu = max(1, int(ref_config.get("log_prob_micro_batch_size")) // ranks)
-    return ranks * max(1, int(per_gpu or 1))
-
-
 class RefPath:
     def __init__(self, config: Any, tide_config: TideConfig, stage_timer: StageTimer, planner: BoundaryPlanner,
-                 uses_ref: bool):
+                 layout: RefLayout):
         self.config, self.tide_config = config, tide_config
         self.stage_timer, self.planner = stage_timer, planner
         self.aggregator = RefAggregator()  # colocated steps: ready-batch aggregation of Ref passes
@@ -75,9 +61,7 @@ class RefPath:
         self.sample_ids = SampleIds()  # samples whose ref log-probs travel outside TransferQueue
         self.released_ids: list[int] = []  # of evicted samples scored ahead, discarded at the next update
         self.handoff_counters: dict[str, float] = {}  # cumulative; logged at the step boundary (not averaged)
-        self.handoff = bool(uses_ref and ref_handoff(config, tide_config))  # RA2P's hand-off (job_config.py)
-        self.inputs_handoff = False  # inputs too: verl's Ref role and the Actor's in one process (tide's workers)
-        self.pool_wanted = False  # tide's replicas replace verl's Ref worker group
+        self.layout = layout  # where Ref runs and how its rows reach the Actor's loss (ra2p/layout.py)
         self.actor_wg: Any = None
         self.ref_wg: Any = None  # verl's Ref worker group, when it exists
         self.ref_in_actor = False
@@ -99,10 +83,10 @@ class RefPath:
         verl's path through TransferQueue."""
         from verl.trainer.ppo.utils import Role as VerlRole
 
-        if self.pool_wanted:
+        if self.layout.pool_wanted:
             role_worker_mapping.pop(VerlRole.RefPolicy, None)
             mapping.pop(VerlRole.RefPolicy, None)
-        elif self.handoff and VerlRole.RefPolicy in role_worker_mapping:
+        elif self.layout.handoff and VerlRole.RefPolicy in role_worker_mapping:
             import ray
 
             from verl_tide.ra2p.handoff_worker import TideActorWorker, TideRefWorker
@@ -110,17 +94,17 @@ class RefPath:
             role_worker_mapping[VerlRole.RefPolicy] = ray.remote(TideRefWorker)
             if VerlRole.Actor in role_worker_mapping:  # and the inputs: the Actor's update takes them back
                 role_worker_mapping[VerlRole.Actor] = ray.remote(TideActorWorker)
-                self.inputs_handoff = True
-        elif self.handoff and VerlRole.ActorRolloutRef in role_worker_mapping:
+                self.layout = dataclasses.replace(self.layout, inputs_handoff=True)
+        elif self.layout.handoff and VerlRole.ActorRolloutRef in role_worker_mapping:
             # The Actor's GPUs also roll out (lending beside verl's Ref): verl's one actor/rollout/ref worker
             import ray
 
             from verl_tide.ra2p.handoff_worker import TideActorRolloutRefWorker
 
             role_worker_mapping[VerlRole.ActorRolloutRef] = ray.remote(TideActorRolloutRefWorker)
-            self.inputs_handoff = True
+            self.layout = dataclasses.replace(self.layout, inputs_handoff=True)
         else:
-            self.handoff = False
+            self.layout = dataclasses.replace(self.layout, handoff=False)
 
     def start_pool(self) -> None:
         from verl_tide.ra2p.ref_workers import RefPool
@@ -131,13 +115,9 @@ class RefPath:
         self.pool = RefPool(str(model.path), ra2p.ref_ranks, dtype=dtype,
                             trust_remote_code=bool(model.get("trust_remote_code", False)))
         how = "Actor waits for them"
-        # With Ref on ranks of its own, deferring the KL term only removes a wait: auto takes it too
-        # (colocated asks for the Actor to wait for the replicas).
+        # With Ref on ranks of its own, deferring the KL term only removes a wait: auto takes it too (colocated asks
+        # for the Actor to wait for the replicas; decoupled with a KL penalty in the reward is refused at start-up).
         kl_in_reward = bool(self.config.algorithm.get("use_kl_in_reward", False))
-        if ra2p.mode == "decoupled" and kl_in_reward:
-            raise TideConfigError(["tide.ra2p.mode = 'decoupled' with tide.ra2p.ref_ranks > 0 defers the KL term to "
-                                   "the Actor's backward, so algorithm.use_kl_in_reward must be false (use "
-                                   "actor_rollout_ref.actor.use_kl_loss), or set tide.ra2p.mode to auto | colocated"])
         if ra2p.mode == "decoupled" or (ra2p.mode == "auto" and not kl_in_reward):
             self.start_service()
             how = "deferred KL: the Actor's forward does not wait for Ref, its backward picks the log-probs up"
@@ -146,7 +126,7 @@ class RefPath:
                   f"their own (ERS may lend rollout ranks as more) score shares of each Ref pass, sized by RA2P's "
                   f"cost model; the Actor's backward picks the replicas' log-probs up", flush=True)
             return
-        if not self.pool_wanted:
+        if not self.layout.pool_wanted:
             print(f"verl-tide: verl's Ref on the trainer's GPUs (RA2P colocated, ready-batch aggregation); ERS may lend "
                   f"up to {self.tide_config.ers.max_ref_ranks} rollout rank(s) to Ref replicas (decoupled placement; "
                   f"{how})", flush=True)
@@ -170,6 +150,10 @@ class RefPath:
         self.service = ray.remote(RefLogProbService).options(name=self.service_name).remote()
         actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
         self.actor_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self.service_name)))
+        if self.layout.handoff:
+            print("verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy): ref log-probs reach the Actor's loss by "
+                  "sample id, from the Ref role of its own process or Ray's shared memory, not TransferQueue",
+                  flush=True)
 
     def shutdown(self) -> None:
         if self.pool is not None:
@@ -182,7 +166,7 @@ class RefPath:
     def verls_ref_beside_replicas(self) -> bool:
         """verl's Ref worker group exists beside tide's Ref replicas, with the hand-off (the Actor's loss takes
         ref log-probs by sample id from either): what split mode needs, besides a replica."""
-        return self.handoff and not self.pool_wanted and self.ref_wg is not None
+        return self.layout.handoff and not self.layout.pool_wanted and self.ref_wg is not None
 
     def can_split(self) -> bool:
         return self.verls_ref_beside_replicas() and self.replicas_up() > 0
@@ -215,7 +199,7 @@ class RefPath:
             bool(actor_cfg.get("fsdp_config", {}).get("optimizer_offload", False))
         if self.ref_wg is None or self.ref_in_actor or not offloaded:
             return 0.0  # no Ref on the Actor's GPUs, or both resident
-        if not self.inputs_handoff:
+        if not self.layout.inputs_handoff:
             if not self._swap_unmeasured_said:
                 self._swap_unmeasured_said = True
                 print("verl-tide WARNING: parameters are offloaded, so Ref and Actor swap on the trainer's GPUs, but "
@@ -290,7 +274,7 @@ class RefPath:
         """verl's update; with the inputs hand-off the update reads from TransferQueue all but the input fields,
         which the Actor worker puts back from its process (the Ref pass left them there) or, for samples another
         rank scored, from TransferQueue. Then what the update consumed leaves the Ref service."""
-        if not self.inputs_handoff:
+        if not self.layout.inputs_handoff:
             batch = verl_update(batch, metrics)
         else:
             import transfer_queue as tq
@@ -338,7 +322,7 @@ class RefPath:
     def _pass_order(self, own: list[str], ahead: list[str], on_verls_wg: bool = False) -> list[str]:
         """With the hand-off to verl's Actor (same processes, same data-parallel layout), each Ref rank scores the
         share of the mini-batch its process trains; otherwise verl's order, the mini-batch first."""
-        if not self.inputs_handoff or (self.replicas_up() and not on_verls_wg):
+        if not self.layout.inputs_handoff or (self.replicas_up() and not on_verls_wg):
             return own + ahead
         actor, ref = dispatch_layout(self.actor_wg, "actor"), dispatch_layout(self.ref_wg, "ref")
         if actor != ref:
@@ -359,17 +343,17 @@ class RefPath:
             self.split_pending.append(pending)
             if not keys:
                 return
-        ids = self._put_sample_ids(keys, batch.partition_id) if self.handoff else None
+        ids = self._put_sample_ids(keys, batch.partition_id) if self.layout.handoff else None
         if self.replicas_up() and on_replicas is None:
             pending = self.pool.start(keys, batch.partition_id, temperature, sample_ids=ids,
-                                      service_name=self.service_name if self.handoff else None)
+                                      service_name=self.service_name if self.layout.handoff else None)
             self._finish_on_replicas(pending, metrics)
             return
         from transfer_queue import KVBatchMeta
 
         # verl's Ref worker group; timed here (RA2P's t_ref) because a pass may score samples ahead
         start = time.perf_counter()
-        if self.handoff:
+        if self.layout.handoff:
             from verl_tide.ra2p.handoff_worker import SERVICE_KEY
 
             meta = KVBatchMeta(keys=keys, tags=tags, partition_id=batch.partition_id, extra_info={
@@ -407,7 +391,7 @@ class RefPath:
         self.handoff_counters.update({f"tide/ra2p/ref_service_{k}": float(v) for k, v in stats.items()})
         # Samples scored and not yet trained or evicted: the rows that should be held, nothing more.
         self.handoff_counters["tide/ra2p/handoff_ids_live"] = float(len(self.sample_ids))
-        if self.handoff and self.ref_wg is not None:
+        if self.layout.handoff and self.ref_wg is not None:
             ranks = self.ref_wg.discard_ref_handoff(released)
             for k in (ranks[0] if ranks else {}):  # put/served_in_process/held (+ inputs_*), summed over processes
                 self.handoff_counters[f"tide/ra2p/handoff_{k}"] = float(sum(r[k] for r in ranks))

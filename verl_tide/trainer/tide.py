@@ -35,7 +35,8 @@ from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.advice import SplitAdviceCycle
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, overlapped_evaluation, validation_buffer
-from verl_tide.job_config import TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, tide_config_from_job
+from verl_tide.job_config import (TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, ref_layout_of,
+                                  tide_config_from_job)
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
 from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
 from verl_tide.trainer.budget_window import BudgetWindowReader
@@ -83,7 +84,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.planner = BoundaryPlanner.build(self.tide_config.ra2p, self.tide_config.ers,
                                              ideal_batch(self.tide_config, config), ctb=self.tide_config.ctb)
         self.round = BoundaryRound(self.planner, SplitAdviceCycle())  # one code path with the simulator's
-        self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, self.use_reference_policy)
+        self.ref = RefPath(config, self.tide_config, self.stage_timer, self.planner, ref_layout_of(config, self.tide_config))
         self._elastic_batch = self.planner.ers.ideal_batch  # sequences the next step trains (ERS's plan)
         self._window_mini_batches = self.parameter_sync_step  # mini-batches of the current step
         self.advice = SplitAdviceReport(config, self.planner.ers.ideal_batch, self.tide_config.ers.split_advice_kv_bound,
@@ -143,25 +144,15 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.ref.choose_worker_roles(self.role_worker_mapping, self.mapping)  # set by _setup before this runs
 
     def _setup(self):
-        layout = elastic_setup.ref_layout(self.tide_config, self.use_reference_policy, self.ref.handoff)
-        self.ref.pool_wanted = layout.pool_wanted
-        # verl must not build its Ref worker group for tide's replicas; the flag goes back on after, so verl's
-        # step still asks for ref log-probs (answered by `_compute_ref_log_prob` below).
-        if layout.pool_wanted:
-            self.use_reference_policy = False
-        verl_compat.setup_without_colocated_rollout(self)  # actor (and Ref) worker groups, reward loop
-        if layout.pool_wanted:
-            self.use_reference_policy = True
+        layout = self.ref.layout  # actor (and Ref, unless tide's replicas replace it) worker groups, reward loop
+        verl_compat.setup_without_colocated_rollout(self, without_ref=layout.pool_wanted)
         # With lending beside verl's Ref, verl builds one actor/rollout/ref worker: `ref_policy_wg` is the Actor's
         # group, whose Ref role answers `compute_ref_log_prob` (not Ref-in-Actor, which is LoRA's adapter-off pass).
         self.ref.bind(self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), bool(self.ref_in_actor))
         if layout.pool_wanted or layout.beside_verl_ref:
             self.ref.start_pool()
-        if self.ref.handoff:
+        if layout.handoff:
             self.ref.start_service()
-            print("verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy): ref log-probs reach the Actor's loss by "
-                  "sample id, from the Ref role of its own process or Ray's shared memory, not TransferQueue",
-                  flush=True)
         self._start_rollout_pool()
         self._restore_ctb_and_roles()
         if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0:
@@ -199,7 +190,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if state is None:
             return
         checkpoint.restore(state, self.ledger, self.readiness, self.planner.ers, self.ref.aggregator,
-                           rows_kept=not self.ref.handoff)
+                           rows_kept=not self.ref.layout.handoff)
         self._restored = state  # CTB's router and the ranks' roles are restored once the rollout pool exists
         print(f"verl-tide: resumed from step {state['global_steps']}: {ledger_text(self.ledger)}", flush=True)
 
@@ -380,7 +371,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         context = RoundContext(
             self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
-            ref_floor=1 if self.ref.pool_wanted and tide.ra2p.ref_ranks == 0 else 0,
+            ref_floor=1 if self.ref.layout.pool_wanted and tide.ra2p.ref_ranks == 0 else 0,
             last_step=self.global_steps >= self.total_training_steps,
             advice=self.advice.inputs(self.rollout_roles, self.quarantined))
         port = boundary.TrainerBoundaryPort(

@@ -83,12 +83,19 @@ def init_without_separate_async(trainer: Any, config: Any) -> None:
     PPOTrainer.__init__(trainer, config)
 
 
-def setup_without_colocated_rollout(trainer: Any) -> None:
+def setup_without_colocated_rollout(trainer: Any, without_ref: bool = False) -> None:
     """`PPOTrainer._setup` past separate_async's (which would build hybrid replicas on the trainer's GPUs):
-    worker groups and the reward loop only; trainer tide builds its own rollout pool."""
+    worker groups and the reward loop only; trainer tide builds its own rollout pool. `without_ref`: verl builds no
+    Ref worker group (tide's replicas replace it); its flag goes back on after, so verl's step still asks for ref
+    log-probs (answered by trainer tide's `_compute_ref_log_prob`)."""
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
 
-    PPOTrainer._setup(trainer)
+    use_ref = trainer.use_reference_policy
+    trainer.use_reference_policy = use_ref and not without_ref
+    try:
+        PPOTrainer._setup(trainer)
+    finally:
+        trainer.use_reference_policy = use_ref
 
 
 def blocking_validate(view: Any) -> dict:
@@ -170,3 +177,17 @@ def check_hybrid_switch_hooks(trainer_cls: type) -> None:
                        ("add_replicas_to_balancer", "routes rollout to the hybrid replica"),
                        ("_init_hybrid_rollout_state", "the hybrid switch's state")):
         reach(trainer_cls, name, what)
+
+
+def verl_ref_pass_multiple(ref_config: Any, world_size: int) -> int:
+    """Rows a Ref pass on verl's worker group must come in multiples of: verl splits the pass evenly over its
+    ranks, and each rank's share must be whole micro-batches (verl 0.9.1 asserts it in
+    `engine/utils.prepare_micro_batches` unless `log_prob_use_dynamic_bsz`). A pass of the mini-batch and one
+    group scored ahead broke this on 2 ranks with 2-row micro-batches (a fresh-clone CI run, 2026-12-03)."""
+    ranks = max(1, int(world_size))
+    if ref_config.get("log_prob_use_dynamic_bsz", False):
+        return ranks
+    per_gpu = ref_config.get("log_prob_micro_batch_size_per_gpu")
+    if per_gpu is None and ref_config.get("log_prob_micro_batch_size") is not None:  # verl's deprecated global key
+        per_gpu = max(1, int(ref_config.get("log_prob_micro_batch_size")) // ranks)
+    return ranks * max(1, int(per_gpu or 1))
