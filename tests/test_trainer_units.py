@@ -262,3 +262,35 @@ def test_a_ref_pass_on_verls_workers_comes_in_whole_micro_batches_per_rank(ref, 
     assert (len(own) + len(kept)) % m == 0
     if multiple == 4:
         assert kept == []  # the lone group waits for its own mini-batch's pass
+
+
+def test_every_private_verl_method_tide_overrides_or_calls_exists_and_a_missing_one_fails_at_start_up():
+    """Overrides of verl's private methods (trainer and replay buffer) are declared in verl_compat and checked when
+    trainer `tide` is built: against the installed verl 0.9.1 all exist, each one tide's classes override is
+    declared, and a verl without one fails naming it."""
+    import inspect
+
+    import pytest
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+    from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
+
+    from verl_tide.buffer import TideReplayBuffer
+    from verl_tide.trainer import verl_compat
+    from verl_tide.trainer.tide import TideTrainer
+
+    verl_compat.check_private_hooks(PPOTrainerSeparateAsync, ReplayBufferAsync)
+    for ours, verls, declared in ((TideTrainer, PPOTrainerSeparateAsync, verl_compat.TRAINER_HOOKS),
+                                  (TideReplayBuffer, ReplayBufferAsync, verl_compat.REPLAY_BUFFER_HOOKS)):
+        overridden = {n for n, v in vars(ours).items() if n.startswith("_") and not n.startswith("__")
+                      and inspect.isfunction(v) and hasattr(verls, n)}
+        hybrid = {"_switch_threshold", "_init_hybrid_rollout_state"}  # checked with the lending hooks
+        assert overridden - hybrid <= set(declared), overridden - set(declared)
+
+    class OlderBuffer:  # a verl whose replay buffer renamed one of them
+        pass
+
+    for name in verl_compat.REPLAY_BUFFER_HOOKS:
+        setattr(OlderBuffer, name, lambda self: None)
+    delattr(OlderBuffer, "_materialize_batch")
+    with pytest.raises(verl_compat.VerlChanged, match="OlderBuffer._materialize_batch|_materialize_batch"):
+        verl_compat.check_private_hooks(PPOTrainerSeparateAsync, OlderBuffer)

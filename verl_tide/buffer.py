@@ -36,10 +36,7 @@ class TideReplayBuffer(ReplayBufferAsync):
         self.finish_times: Optional[Callable[[list[str]], dict[str, float]]] = None
         self.stamped = {"at_finish": 0, "at_poll": 0}  # groups made ready, by where their ready time came from
         self.while_waiting: Optional[Callable[[], None]] = None  # at each look while training waits for data
-        super().__init__(*args, **kwargs)
-        from verl_tide.trainer.verl_compat import reach
-
-        reach(self, "_wait_for_next_poll", "the sampler's wait for data, where the budget window decides")
+        super().__init__(*args, **kwargs)  # (the verl methods overridden here: verl_compat.REPLAY_BUFFER_HOOKS)
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode, PPOTrainerSeparateAsync
 from verl.utils.profiler import marked_timer
 
@@ -65,6 +66,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def __init__(self, config: DictConfig):
         self.tide_config = tide_config_from_job(config)
         check_layout(config)  # the lending keys: `lend_actor` below (the driver's callback checks both at once)
+        verl_compat.check_private_hooks(PPOTrainerSeparateAsync, ReplayBufferAsync)
         self.clock = time.monotonic
         self.readiness = ReadinessTracker(clock=self.clock)
         self.ledger = GoodputLedger(clock=self.clock)

@@ -179,6 +179,43 @@ def check_hybrid_switch_hooks(trainer_cls: type) -> None:
         reach(trainer_cls, name, what)
 
 
+# verl 0.9.1's private methods trainer `tide` and its replay buffer override (an override of a method verl renamed
+# would silently never run) or call, with what each is for. `check_private_hooks` fails at start-up on a verl
+# that lacks one; tests/test_trainer_units.py runs it against the installed verl.
+TRAINER_HOOKS = {
+    "_build_replay_buffer": "builds the replay buffer (tide's, with readiness and the ledger)",
+    "_init_dataloader": "the dataloaders (evaluation prompts marked for CTB)",
+    "_init_resource_pool_mgr": "verl's worker roles (Ref replaced or its hand-off workers)",
+    "_setup": "worker groups, reward loop, rollout (tide's own pool)",
+    "_save_checkpoint": "verl's checkpoint (tide's state beside it)",
+    "_load_checkpoint": "verl's resume (tide's state with it)",
+    "_compute_old_log_prob": "the Actor's forward (RA2P's Ref path starts before it)",
+    "_compute_ref_log_prob": "Ref log-probs (RA2P's mode for the step)",
+    "_update_actor": "the Actor's update (deferred KL, hand-off inputs)",
+    "_submit_batch_to_rollout": "prompts to rollout (the ledger counts them)",
+    "_validate": "validation (overlapped with the next step's rollout)",
+    "_add_prompts_to_generate": "the replay buffer's refill",
+    "_resolve_filter_groups_metric": "DAPO's group filter metric, for the replay buffer",
+    "_step_once": "one PPO mini-batch update (ERS's elastic batch)",
+}
+REPLAY_BUFFER_HOOKS = {
+    "_sync_metadata_from_transfer_queue": "groups becoming ready (readiness arrivals, the ledger)",
+    "_wait_for_next_poll": "the sampler's wait for data (CTB's budget window decides there)",
+    "_evict_terminal_groups": "groups evicted stale, filtered or failed (the ledger)",
+    "_materialize_batch": "groups sampled for an update (the ledger)",
+    "_terminal_eviction_reasons": "which groups verl would evict now (ready groups for aggregation)",
+    "_sampleable_terminal_keys": "which groups verl would sample next (ready groups for aggregation)",
+}
+
+
+def check_private_hooks(trainer_cls: type, buffer_cls: type) -> None:
+    """Every private verl method in `TRAINER_HOOKS` and `REPLAY_BUFFER_HOOKS` exists on verl's classes: a
+    `VerlChanged` at start-up, naming the method, instead of an override that never runs."""
+    for cls, hooks in ((trainer_cls, TRAINER_HOOKS), (buffer_cls, REPLAY_BUFFER_HOOKS)):
+        for name, what in hooks.items():
+            reach(cls, name, what)
+
+
 def verl_ref_pass_multiple(ref_config: Any, world_size: int) -> int:
     """Rows a Ref pass on verl's worker group must come in multiples of: verl splits the pass evenly over its
     ranks, and each rank's share must be whole micro-batches (verl 0.9.1 asserts it in
