@@ -238,6 +238,7 @@ def test_a_recorded_round_replays_through_the_trainers_port_to_the_same_effects(
     recorded_rounds = sim.boundary.round.trace
     assert len(replayed) == len(recorded_rounds) == 11
     assert [r.effects for r in replayed] == [r.effects for r in recorded_rounds]
+    assert [r.outcome for r in replayed] == [r.outcome for r in recorded_rounds]  # plan outcome, split advice
     moves = [e for r in recorded_rounds for e in r.effects if e[0] == "move_ranks"]
     assert moves and factors == sim.budget_factors  # ERS moved ranks; CTB's factor went through the port
     last_moves = {rank: dst for e in moves for rank, _, dst in e[1]}
@@ -270,3 +271,37 @@ def test_a_round_that_acts_differently_does_not_replay(recorded):
         replay_round.run(r.inputs, context, TrainerBoundaryPort(r.inputs.step, ReplayedSignals(r), dict(r.context.roles),
                                                                 elastic=_ElasticRanks(), budget_window=_BudgetWindow()))
     assert [r.effects for r in replay_round.trace] != [r.effects for r in sim.boundary.round.trace]
+
+
+def test_a_recorded_round_drives_the_simulators_port_as_it_drives_the_trainers(recorded):
+    """The first recorded round that moved ranks, replayed through a fresh simulation's port (the model at its
+    start) and through trainer `tide`'s port, each by a round whose planner decided the recorded rounds before it:
+    the same calls, and each port applies ERS's moves to its own job."""
+    from verl_tide.boundary.round import BoundaryRound, ReplayedSignals
+    from verl_tide.trainer.boundary import TrainerBoundaryPort
+
+    sim, trace = recorded
+    first = next(r for r in sim.boundary.round.trace if any(e[0] == "move_ranks" for e in r.effects))
+    boundaries = _boundaries(trace)
+    before = trace[:trace.index(next(rec for rec in boundaries if rec.inputs == first.inputs))]
+
+    def round_as_before():
+        replay_round = BoundaryRound(_as_trainer_builds_it(sim), trace=[])
+        replay(replay_round.planner, before)  # the planner's state then (RA2P's last mode, ERS's cooldowns)
+        return replay_round
+
+    fresh = Simulation(dataclasses.replace(load_workload("webshop"), steps=12), 8, TIDE)
+    fresh.step_records.append(dataclasses.replace(sim.step_records[0], moves=[]))
+    fresh.boundary.signals = ReplayedSignals(first)
+    on_sim = round_as_before()
+    on_sim.run(first.inputs, first.context, fresh.boundary)
+    roles = dict(first.context.roles)
+    on_trainer = round_as_before()
+    on_trainer.run(first.inputs, first.context, TrainerBoundaryPort(first.inputs.step, ReplayedSignals(first), roles,
+                                                                    elastic=_ElasticRanks(),
+                                                                    budget_window=_BudgetWindow()))
+    assert on_sim.trace[0].effects == on_trainer.trace[0].effects == first.effects
+    moved = [m for e in first.effects if e[0] == "move_ranks" for m in e[1]]
+    for rank, _, dst in moved:
+        assert roles[rank].value == dst
+        assert (rank in fresh.ref_ranks) == (dst == "ref") and (rank in fresh.rollout.ranks) == (dst == "rollout")

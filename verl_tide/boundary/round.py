@@ -115,7 +115,10 @@ class BoundaryRound:
                              self.advice.standing if self.advice is not None else None)
         port.report(result)
         if recorder is not None:
-            self.trace.append(RoundRecord(inputs, context, dict(recorder.seen), recorder.effects))
+            standing = result.standing_advice
+            self.trace.append(RoundRecord(inputs, context, dict(recorder.seen), recorder.effects, {
+                "plan": outcome.value, "advice_changed": advice_changed,
+                "advised_rollout_gpus": standing.rollout_gpus if standing is not None else None}))
         return result
 
     def _move(self, decision: BoundaryDecision, last_step: bool, port: BoundaryPort
@@ -131,13 +134,14 @@ class BoundaryRound:
 
 @dataclass(frozen=True)
 class RoundRecord:
-    """One round as it ran: its inputs and context, the signals it read (by break-even RAS), and the calls it
-    made through its port (verb, argument), in order."""
+    """One round as it ran: its inputs and context, the signals it read (by break-even RAS), the calls it made
+    through its port (verb, argument) in order, and its outcome."""
 
     inputs: BoundaryInputs
     context: RoundContext
     signals: dict
     effects: list
+    outcome: dict  # what became of the plan, and the split advice standing after the round
 
 
 class _RecordingPort:

@@ -40,7 +40,8 @@ from verl_tide.sim.boundary import SimBoundaryPort
 from verl_tide.sim.engine import Request, RolloutRank
 from verl_tide.sim.hardware import Costs, Hardware
 # the records lived here first; callers import SystemSpec and Result from the simulation
-from verl_tide.sim.records import CONSUME_MODES, Consume, Group, Result, StepRecord, SystemSpec, Traj  # noqa: F401
+from verl_tide.sim.records import (CONSUME_MODES, Consume, Group, OpenStep, Result, StepRecord,  # noqa: F401
+                                   SystemSpec, Traj)
 from verl_tide.sim.rollout import Rollout
 from verl_tide.sim.step_cost import step_cost
 from verl_tide.sim.hybrid import HybridReplicas
@@ -91,7 +92,7 @@ class Simulation:
             spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout, spec.poll_s) if spec.hybrid else None)
         # trainer
         self.trainer_free_at = 0.0  # end of the last update + sync
-        self.step_open: Optional[dict] = None
+        self.step_open: Optional[OpenStep] = None
         self.tracker = ReadinessTracker(clock=lambda: self.t)
         # the step-boundary decision, as trainer tide makes it (verl_tide/boundary/planner.py); RA2P's aggregation cap is
         # this system's (the memory limit of one Ref load), given as the trainer is given it: tide.ra2p.max_aggregate
@@ -151,15 +152,15 @@ class Simulation:
                 self.hybrid.set(self, wake=False)
                 start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
             mode = self._step_ra2p_mode() if self.spec.consume is Consume.RA2P else None
-            self.step_open = {"start": start, "mbs": [], "ras": len(self.rollout.micro_batches), "mode": mode,
-                              "share": (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0}
+            self.step_open = OpenStep(start, len(self.rollout.micro_batches), mode,
+                                      (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0)
             self.tracker.step_started(t=start)
         step = self.step_open
-        while self.rollout.micro_batches and len(step["mbs"]) < self._step_M:
+        while self.rollout.micro_batches and len(step.mbs) < self._step_M:
             mb = self.rollout.micro_batches.popleft()
-            self.tracker.micro_batch_consumed(mb[0], t=self.t)
-            step["mbs"].append(mb)
-        if len(step["mbs"]) == self._step_M:
+            self.tracker.micro_batch_consumed(mb.mb_id, t=self.t)
+            step.mbs.append(mb)
+        if len(step.mbs) == self._step_M:
             self._finish_step(step)
         else:
             self.boundary.budget_in_wait()  # streaming: the open step waits for its next micro-batch
@@ -168,22 +169,22 @@ class Simulation:
         """verl separate_async's sampler looks at its replay buffer every `poll_s` from when it starts waiting
         (after the last weight sync): the `need`-th ready micro-batch counts from its first look after it."""
         poll, since = self.spec.poll_s, self.trainer_free_at
-        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.rollout.micro_batches[need - 1][1] <= since:
+        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.rollout.micro_batches[need - 1].ready_at <= since:
             return True
-        return self.t >= since + math.ceil((self.rollout.micro_batches[need - 1][1] - since) / poll - 1e-9) * poll
+        return self.t >= since + math.ceil((self.rollout.micro_batches[need - 1].ready_at - since) / poll - 1e-9) * poll
 
-    def _finish_step(self, step: dict) -> None:
-        start, mbs = step["start"], step["mbs"]
-        ready_rel = [mb[1] - start for mb in mbs]
-        tokens = sum(mb[3] for mb in mbs)
+    def _finish_step(self, step: OpenStep) -> None:
+        start, mbs = step.start, step.mbs
+        ready_rel = [mb.ready_at - start for mb in mbs]
+        tokens = sum(mb.tokens for mb in mbs)
         tide = self.spec.consume is Consume.RA2P
-        decoupled = tide and step["mode"] is RA2PMode.DECOUPLED
-        share = step["share"] if tide and step["mode"] is RA2PMode.SPLIT else 0.0
+        decoupled = tide and step.mode is RA2PMode.DECOUPLED
+        share = step.share if tide and step.mode is RA2PMode.SPLIT else 0.0
         times = self._stage_times(tokens / len(mbs), len(self.ref_ranks) if decoupled else 0)
         self._last_tokens_per_mb = tokens / len(mbs)
         ref_ranks_t_ref = self._stage_times(tokens / len(mbs), len(self.ref_ranks)).t_ref if share else 0.0
         in_step: list[float] = []  # the Actor's waits for data inside the step
-        cost, mode = step_cost(self.spec, step["mode"], share, ready_rel, times, self.per_mini_batch, ref_ranks_t_ref,
+        cost, mode = step_cost(self.spec, step.mode, share, ready_rel, times, self.per_mini_batch, ref_ranks_t_ref,
                                in_step)
         end = start + cost
         busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else
@@ -212,7 +213,7 @@ class Simulation:
         self._consume(mbs)
         self.consumed_steps += 1
         self.step_open = None
-        rec = StepRecord(self.consumed_steps, start, end, len(mbs), step["ras"], mode, len(self.rollout.ranks),
+        rec = StepRecord(self.consumed_steps, start, end, len(mbs), step.ras, mode, len(self.rollout.ranks),
                          len(self.ref_ranks))
         self.step_records.append(rec)
         self.trainer_free_at = end + self.costs.sync_s  # no new step before the update and its sync
@@ -232,7 +233,7 @@ class Simulation:
         if self.ers is not None or self.spec.consume is Consume.RA2P:
             rec.plan = self.boundary.decide(end, sync_end, eval_next, times)
         if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
-            ready_next = len(self.rollout.ready) + sum(mb[2] for mb in self.rollout.micro_batches)
+            ready_next = len(self.rollout.ready) + sum(mb.sequences for mb in self.rollout.micro_batches)
             lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
                                           2 * self.costs.switch_s if self.hybrid.round_trips else None)
             if lend and not self.hybrid.on and self.consumed_steps < self.w.steps:
@@ -247,7 +248,7 @@ class Simulation:
     def _consume(self, mbs: list) -> None:
         """The update took these micro-batches: each sequence settles as consumed in the goodput ledger."""
         for mb in mbs:
-            for tid in mb[4]:
+            for tid in mb.tids:
                 self.ledger.settle(tid, Outcome.CONSUMED)
 
     def sequences_held(self) -> int:
@@ -255,8 +256,8 @@ class Simulation:
         (not from the ledger): the ledger's check, as trainer tide counts what TransferQueue holds."""
         generating = sum(1 for t in self.rollout.trajs.values() if not t.done and not t.group.is_eval)
         waiting_for_siblings = sum(len(g.finished) for g in self.rollout.groups if not g.is_eval and g.done + g.failed < g.size)
-        taken = sum(mb[2] for mb in self.step_open["mbs"]) if self.step_open else 0  # by the step being trained
-        return generating + waiting_for_siblings + len(self.rollout.ready) + sum(mb[2] for mb in self.rollout.micro_batches) + taken
+        taken = sum(mb.sequences for mb in self.step_open.mbs) if self.step_open else 0  # by the step being trained
+        return generating + waiting_for_siblings + len(self.rollout.ready) + sum(mb.sequences for mb in self.rollout.micro_batches) + taken
 
     def _failed_this_step(self) -> int:
         return sum(g.failed for g in self.rollout.groups if g.step == self.consumed_steps)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from verl_tide.ers.advice import SplitAdvice
+from verl_tide.ra2p.cost import RA2PMode
 from verl_tide.sim.engine import Request
 from verl_tide.sim.stock import SWITCH_POLICIES
 
@@ -63,6 +64,27 @@ class SystemSpec:
                              "must be >= 1 and >= 0")
         if not 0 < self.rollout_ratio < 1:
             raise ValueError(f"SystemSpec.rollout_ratio = {self.rollout_ratio}: must be 0 < x < 1")
+
+
+class MicroBatch(NamedTuple):
+    """Ready sequences the trainer takes at once (a GRPO group's sequences may span two)."""
+
+    mb_id: int
+    ready_at: float
+    sequences: int
+    tokens: int
+    tids: list
+
+
+@dataclass
+class OpenStep:
+    """The asynchronous trainer's step being filled with ready micro-batches."""
+
+    start: float
+    ras: int  # micro-batches ready at the step's start
+    mode: Optional[RA2PMode]  # RA2P's mode for the step (tide)
+    share: float  # split mode: the Ref replicas' share of a pass
+    mbs: list[MicroBatch] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 from verl_tide.core.ledger import Outcome
 from verl_tide.ctb.policy import CTBScheduler, TaskState
 from verl_tide.sim.engine import Request, RolloutRank
-from verl_tide.sim.records import Group, Traj
+from verl_tide.sim.records import Group, MicroBatch, Traj
 
 if TYPE_CHECKING:
     from verl_tide.sim.cluster import Simulation
@@ -30,7 +30,7 @@ class Rollout:
         self.groups: list[Group] = []
         self.released_train_groups = 0
         self.ready: deque = deque()  # (time, tokens, tid) of sequences whose GRPO group completed
-        self.micro_batches: deque = deque()  # (mb_id, ready time, sequences, tokens, tids)
+        self.micro_batches: deque[MicroBatch] = deque()
         self.mb_count = 0
         self.eval_pending: list[Group] = []
         self.stats = {"eval_tokens": 0, "eval_failed_sequences": 0, "regenerated_tokens": 0, "generated_tokens": 0}
@@ -172,9 +172,10 @@ class Rollout:
         while len(self.ready) >= self.sim.mb_size:
             seqs = [self.ready.popleft() for _ in range(self.sim.mb_size)]
             self.mb_count += 1
-            mb = (self.mb_count, self.sim.t, len(seqs), sum(tok for _, tok, _ in seqs), [tid for _, _, tid in seqs])
+            mb = MicroBatch(self.mb_count, self.sim.t, len(seqs), sum(tok for _, tok, _ in seqs),
+                            [tid for _, _, tid in seqs])
             self.micro_batches.append(mb)
-            self.sim.tracker.micro_batch_ready(mb[0], mb[2], t=self.sim.t)
+            self.sim.tracker.micro_batch_ready(mb.mb_id, mb.sequences, t=self.sim.t)
 
     # ---- ranks changing role ---------------------------------------------------------------
     def remove_rank(self, rank: int) -> None:

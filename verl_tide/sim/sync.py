@@ -7,7 +7,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from verl_tide.ra2p.stock_cost import global_batch_cost
-from verl_tide.sim.records import StepRecord
+from verl_tide.sim.records import MicroBatch, StepRecord
 
 if TYPE_CHECKING:
     from verl_tide.sim.cluster import Simulation
@@ -50,7 +50,7 @@ class SyncCycle:
                 sim.rollout.new_group(sim.consumed_steps, sim.w.group_size)
             self.phase = SyncPhase.ROLLOUT
             return
-        if len(sim.rollout.ready) + sum(mb[2] for mb in sim.rollout.micro_batches) < sim.B - sim._failed_this_step():
+        if len(sim.rollout.ready) + sum(mb.sequences for mb in sim.rollout.micro_batches) < sim.B - sim._failed_this_step():
             return
         self._train(sim)
 
@@ -58,10 +58,11 @@ class SyncCycle:
         sim.rollout.form_micro_batches()
         mbs = list(sim.rollout.micro_batches)
         if sim.rollout.ready:
-            mbs.append((0, sim.t, len(sim.rollout.ready), sum(tok for _, tok, _ in sim.rollout.ready), [tid for _, _, tid in sim.rollout.ready]))
+            ready = sim.rollout.ready
+            mbs.append(MicroBatch(0, sim.t, len(ready), sum(tok for _, tok, _ in ready), [tid for _, _, tid in ready]))
         sim.rollout.micro_batches.clear()
         sim.rollout.ready.clear()
-        tokens = sum(mb[3] for mb in mbs)
+        tokens = sum(mb.tokens for mb in mbs)
         times = sim._stage_times(tokens / len(mbs))
         train = global_batch_cost([0.0] * len(mbs), times)
         start = sim.t + sim.costs.switch_s
