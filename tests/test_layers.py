@@ -14,7 +14,7 @@ import verl_tide.core
 
 POLICIES = ["verl_tide.ra2p.cost", "verl_tide.ra2p.batching", "verl_tide.ra2p.aggregation", "verl_tide.ra2p.layout", "verl_tide.ra2p.stock_cost",
             "verl_tide.ers.policy",
-            "verl_tide.ers.advice", "verl_tide.ers.lending", "verl_tide.ctb.policy",
+            "verl_tide.ers.advice", "verl_tide.ers.lending", "verl_tide.ers.resize", "verl_tide.ctb.policy",
             "verl_tide.ctb.budgets", "verl_tide.ctb.tasks", "verl_tide.ctb.window"]
 HEAVY = ["verl", "ray", "torch", "omegaconf", "hydra", "vllm", "aiohttp", "prometheus_client"]
 

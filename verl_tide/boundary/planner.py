@@ -28,6 +28,7 @@ from verl_tide.ctb.window import BudgetDecision, BudgetInputs, BudgetWindow
 from verl_tide.ers import lending
 from verl_tide.ers.lending import LendDecision, LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
+from verl_tide.ers.resize import ResizeDecision, ResizeInputs, TrainerResizer
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimer, StageTimes, best_split, choose_mode,
                                  decoupled_break_even_ras, ref_rank_outlook)
 
@@ -74,6 +75,7 @@ class BoundaryInputs:
     uses_ref: bool = True  # the job has a Ref model at all
     lending: Optional[LendingInputs] = None  # the Actor's GPUs may roll out (tide.ers.lend_actor); None: they may not
     ctb: Optional[BudgetInputs] = None  # CTB's budgets as they ran (None: CTB off, or not read)
+    resize: Optional[ResizeInputs] = None  # the Actor's group may be resized (`ers/resize.py`); None: it may not
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ class BoundaryDecision:
     plan: Optional[ScalingPlan]
     lend: Optional[LendDecision] = None  # whether the Actor's GPUs roll out after this boundary, and until when
     budget: Optional[BudgetDecision] = None  # CTB's budget factor for the next step
+    resize: Optional[ResizeDecision] = None  # the Actor's GPUs after this boundary
 
     def summary(self) -> dict:
         """What a replay compares: every decision and its reason."""
@@ -97,7 +100,8 @@ class BoundaryDecision:
                                                 p.batch_size, p.reason),
                 "lend": None if self.lend is None else (self.lend.lend, self.lend.return_at_units,
                                                         self.lend.reason),
-                "budget": _budget_summary(self.budget)}
+                "budget": _budget_summary(self.budget),
+                **({} if self.resize is None else {"resize": (self.resize.actor_gpus, self.resize.reason)})}
 
 
 def _budget_summary(budget: Optional[BudgetDecision]) -> Optional[tuple[float, str]]:
@@ -114,6 +118,7 @@ class BoundaryPlanner:
     mode: Optional[RA2PMode] = None  # the last choice (`tide.ra2p.mode=auto`)
     share: Optional[float] = None  # split mode: the replicas' share of a Ref pass
     window: Optional[BudgetWindow] = None  # CTB's budget factor (None: CTB off; budgets stay at Alg. 1's)
+    resizer: TrainerResizer = field(default_factory=TrainerResizer)  # asked only where inputs.resize is given
     trace: Optional[list] = field(default=None, repr=False)  # set to a list to record (inputs, decision) pairs
 
     @classmethod
@@ -145,7 +150,8 @@ class BoundaryPlanner:
             inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
             self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
         budget = self._budget(inputs.ctb)
-        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget)
+        resize = None if inputs.resize is None else self.resizer.decide(signals, inputs.resize, phase is Phase.EVAL)
+        decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget, resize)
         if self.trace is not None:
             self.trace.append(TraceRecord(inputs, dict(signals_for.seen), roles and dict(roles), phase, elastic_ref,
                                           ref_floor, decision.summary()))

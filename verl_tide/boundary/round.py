@@ -24,6 +24,7 @@ from verl_tide.ctb.window import BudgetDecision
 from verl_tide.ers.advice import SplitAdvice, SplitAdviceCycle
 from verl_tide.ers.lending import LendDecision
 from verl_tide.ers.policy import Phase, RankMove, Role
+from verl_tide.ers.resize import ResizeDecision
 
 
 class PlanOutcome(enum.Enum):
@@ -69,7 +70,8 @@ class RoundResult:
 
 class BoundaryPort(Protocol):
     """What a round needs of the job it runs in. Each verb is called at most once a round, in this order:
-    `signals` (any number of times, one per break-even RAS), `set_budget`, `lend`, `move_ranks`, `report`."""
+    `signals` (any number of times, one per break-even RAS), `set_budget`, `lend`, `move_ranks`, `resize_trainer`
+    (only where the inputs allowed a resize), `report`."""
 
     def signals(self, break_even: Optional[int]) -> ReadinessSignals:
         """The readiness signals of the step that just ended, with this decoupled break-even RAS."""
@@ -82,6 +84,9 @@ class BoundaryPort(Protocol):
 
     def move_ranks(self, moves: Sequence[RankMove]) -> Sequence[Any]:
         """Move ranks between rollout and Ref before the weight sync; the moves applied."""
+
+    def resize_trainer(self, decision: ResizeDecision) -> None:
+        """Resize the Actor's training group to `decision.actor_gpus` GPUs, taken from or given to rollout."""
 
     def report(self, result: RoundResult) -> None:
         """Metrics, logs, traces of the round."""
@@ -111,6 +116,9 @@ class BoundaryRound:
         if decision.lend is not None:
             port.lend(decision.lend)
         outcome, moves = self._move(decision, context.last_step, port)
+        if decision.resize is not None and decision.resize.actor_gpus != inputs.resize.actor_gpus \
+                and not context.last_step:
+            port.resize_trainer(decision.resize)
         result = RoundResult(decision, outcome, moves, advice_changed,
                              self.advice.standing if self.advice is not None else None)
         port.report(result)
@@ -166,6 +174,10 @@ class _RecordingPort:
     def move_ranks(self, moves: Sequence[RankMove]) -> Sequence[Any]:
         self.effects.append(("move_ranks", tuple((m.rank, m.src.value, m.dst.value) for m in moves)))
         return self.port.move_ranks(moves)
+
+    def resize_trainer(self, decision: ResizeDecision) -> None:
+        self.effects.append(("resize_trainer", decision.actor_gpus))
+        self.port.resize_trainer(decision)
 
     def report(self, result: RoundResult) -> None:
         self.port.report(result)

@@ -143,9 +143,9 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     best_stream = best_of["streamrl_fixed"]
 
     def tide(ratio: float, name: str = "tide", tide_ers: ERSConfig = ERSConfig(), lend: bool = False,
-             on: Hardware = hw) -> Result:
+             on: Hardware = hw, resize: bool = False) -> Result:
         return sim(SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                              elastic=True, lend_actor=lend), tide_ers, on)
+                              elastic=True, lend_actor=lend, resize_trainer=resize), tide_ers, on)
 
     best = best_stock.rollout_ratio
     results["tide"] = tide(best)
@@ -164,6 +164,9 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     # for the user; this shows what a worse (or better) start costs.
     tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
     tide_best = max(tide_starts.values(), key=lambda r: r.goodput_tok_s)
+    # ... and with ERS resizing the Actor's group (`ers/resize.py`; simulated only: trainer tide does not resize yet)
+    resize_starts = {f"tide_resize_r{r:.3g}": tide(r, f"tide_resize_r{r:.3g}", resize=True) for r in ratios}
+    worst_resized = min(resize_starts.values(), key=lambda r: r.goodput_tok_s)
     oracle = oracle_goodput(w, gpus, hw)
     ablation_report = None
     if ablation:
@@ -194,6 +197,14 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
         "tide_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio,
                                           "advised_rollout_ratio": r.split_advice and round(r.split_advice.rollout_ratio, 4)}
                                    for name, r in tide_starts.items()},
+        "tide_resize_start_ratio_sweep": {name: {**r.row(), "rollout_ratio": r.rollout_ratio}
+                                          for name, r in resize_starts.items()},
+        # ERS resizing the Actor's group, from its worst start: against tide's best start (no resize) and the best
+        # stock system at its best split
+        "tide_resize_worst_start": {"rollout_ratio": worst_resized.rollout_ratio,
+                                    "goodput_tok_s": round(worst_resized.goodput_tok_s, 1),
+                                    "vs_tide_best_start": round(worst_resized.goodput_tok_s / tide_best.goodput_tok_s, 4),
+                                    "vs_best_stock": round(worst_resized.goodput_tok_s / best_stock.goodput_tok_s, 4)},
         "oracle_goodput_tok_s": round(oracle, 1),
         # The most any system could make here, as multiples of the baselines (no system beats the oracle).
         "oracle_bound": {"vs_verl_sync": round(oracle / results["verl_sync"].goodput_tok_s, 3),
@@ -293,6 +304,13 @@ def format_table(report: dict) -> str:
                          f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" + (
                              f" (advice {row['advised_rollout_ratio']:.3g})" if row.get("advised_rollout_ratio") else "")
                          for row in starts.values()))
+    resized = report.get("tide_resize_start_ratio_sweep", {})
+    if resized:
+        worst = report["tide_resize_worst_start"]
+        lines.append("tide by start ratio with ERS resizing the Actor's group (simulated only): " + ", ".join(
+            f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" for row in resized.values())
+            + f"; worst start {worst['vs_tide_best_start']:.2f}x tide's best start, {worst['vs_best_stock']:.2f}x the "
+              "best stock system")
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ from verl_tide.ctb.window import BudgetDecision, BudgetInputs
 from verl_tide.ers.advice import SplitAdviceCycle
 from verl_tide.ers.lending import LendDecision, LendingInputs
 from verl_tide.ers.policy import ERSPolicy, Phase, RankMove, Role
+from verl_tide.ers.resize import ResizeDecision, ResizeInputs
 from verl_tide.ra2p.cost import StageTimes
 from verl_tide.sim.records import Consume
 
@@ -55,7 +56,8 @@ class SimBoundaryPort:
                                   sim.ers_cfg.split_advice_kv_bound)
         context = RoundContext(Phase.EVAL if eval_next else Phase.TRAIN, roles if sim.ers is not None else None,
                                last_step=sim.consumed_steps >= sim.w.steps, advice=advice)
-        inputs = dataclasses.replace(self.boundary_inputs(), lending=self.lending_inputs(times))
+        inputs = dataclasses.replace(self.boundary_inputs(), lending=self.lending_inputs(times),
+                                     resize=self.resize_inputs())
         t0 = time.perf_counter()
         result = self.round.run(inputs, context, self)
         sim.ers_plan_ms.append((time.perf_counter() - t0) * 1e3)  # the whole round: RA2P's choice and ERS's plan
@@ -94,6 +96,25 @@ class SimBoundaryPort:
                 applied.append(move)
         return applied
 
+    def resize_trainer(self, decision: ResizeDecision) -> None:
+        """The Actor's group grows by rollout ranks (the highest first) or gives ranks back to rollout: the trainer
+        stops for the resize; a rank that joins rollout loads the weights after it."""
+        sim = self.sim
+        a0, stall = sim.actor_ranks, sim.costs.resize_s(sim.actor_ranks)
+        if decision.actor_gpus > a0:
+            for rank in sorted(sim.rollout.ranks, reverse=True)[:decision.actor_gpus - a0]:
+                if len(sim.rollout.ranks) > 1:
+                    sim.rollout.remove_rank(rank)
+                    sim.actor_ranks += 1
+        else:
+            actor_ids = set(range(sim.gpus)) - set(sim.rollout.ranks) - set(sim.ref_ranks)
+            for rank in sorted(actor_ids)[:a0 - decision.actor_gpus]:
+                sim.rollout.add_rank(rank, max(self._sync_end, self._signals_at + stall) + sim.costs.load_s)
+                sim.actor_ranks -= 1
+        if sim.actor_ranks != a0:
+            sim.trainer_free_at += stall
+            sim.resizes.append((sim.consumed_steps, a0, sim.actor_ranks, stall, decision.reason))
+
     def report(self, result: RoundResult) -> None:
         sim, plan = self.sim, result.decision.plan
         if plan is None:
@@ -128,6 +149,14 @@ class SimBoundaryPort:
                              switch_cost_s=2 * sim.costs.switch_s,
                              train_s_per_mini_batch=times.t_act_f + times.t_act_b,
                              last_step=sim.consumed_steps >= sim.w.steps)
+
+    def resize_inputs(self) -> Optional[ResizeInputs]:
+        sim = self.sim
+        if not sim.spec.resize_trainer:
+            return None
+        return ResizeInputs(len(sim.rollout.ranks), sim.actor_ranks, sim.B, sim.costs.resize_s(sim.actor_ranks),
+                            sim.w.steps - sim.consumed_steps, sim.costs.weight_bytes / sim.costs.kv_bytes_per_token,
+                            sim.ers_cfg.split_advice_kv_bound)
 
     # ---- CTB's budget window ----------------------------------------------------------------
     def budget_inputs(self, mark_only: bool = False) -> Optional[BudgetInputs]:

@@ -105,6 +105,7 @@ class Simulation:
         self.budget_factors: list[float] = []  # CTB's budget factor chosen at each boundary (ctb/window.py)
         self.lend_decisions: list[tuple[int, bool, str]] = []  # lend_actor: (step, lent, why) at each boundary
         self._lend_return_at = 1  # lend_actor: micro-batches ready before the Actor takes its GPUs back (ERS's)
+        self.resizes: list[tuple] = []  # ERS's resizes of the Actor's group: (step, from, to, stall s, why)
         self.ers_plan_ms: list[float] = []  # wall-clock cost of each ERS plan (a policy budget: < 1 ms)
         self._last_tokens_per_mb = 0.0
         self.tide_ra2p = tide_ra2p

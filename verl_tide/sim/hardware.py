@@ -33,6 +33,10 @@ class Hardware:
     switch_overhead_s: float = 6.0  # verl sync: sleep/wake vLLM + load/offload FSDP state, fixed part
     swap_overhead_s: float = 0.2  # one Ref<->Actor swap, fixed part (allocator, context switch)
     sync_overhead_s: float = 1.0  # one weight sync, fixed part (barriers, cache reset)
+    # ERS resizing the Actor's group: its state (bf16 weights, fp32 master weights and Adam moments, 16 bytes a
+    # parameter) to host memory and back over PCIe, plus rebuilding the worker group's process groups and engine
+    # (an estimate; not measured: trainer tide does not resize yet)
+    resize_overhead_s: float = 20.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,13 @@ class Costs:
     sync_s: float  # one weight sync to the rollout ranks
     switch_s: float  # verl sync: rollout <-> trainer phase switch on a colocated GPU
     load_s: float  # loading one model's weights onto a GPU from host memory (ERS role change)
+    state_bytes: float = 0.0  # the Actor's training state (weights, master weights, Adam moments)
+    pcie_bytes_s: float = 25e9
+    resize_overhead_s: float = 20.0
+
+    def resize_s(self, actor_gpus: int) -> float:
+        """One resize of the Actor's group from `actor_gpus` GPUs: each GPU's state shard out and back in."""
+        return 2 * self.state_bytes / max(1, actor_gpus) / self.pcie_bytes_s + self.resize_overhead_s
 
     @classmethod
     def of(cls, model: ModelSpec, hw: Hardware) -> "Costs":
@@ -84,6 +95,9 @@ class Costs:
             sync_s=weight_bytes / (hw.sync_gb_s * GB) + hw.sync_overhead_s,
             switch_s=load_s + hw.switch_overhead_s,
             load_s=load_s,
+            state_bytes=16 * params,
+            pcie_bytes_s=hw.pcie_gb_s * GB,
+            resize_overhead_s=hw.resize_overhead_s,
         )
 
     @property

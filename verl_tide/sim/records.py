@@ -40,6 +40,9 @@ class SystemSpec:
     # can start, then after each update as ERS decides (`ers/lending.py`, through the boundary planner, as trainer
     # tide asks it): preemptively before an evaluation, else when the expected wait pays for the switch
     lend_actor: bool = False
+    # ERS resizes the Actor's group, GPUs taken from rollout or given back (`ers/resize.py`); not with lending or
+    # hybrid replicas (both roll out on the Actor's GPUs); trainer tide does not resize yet
+    resize_trainer: bool = False
     # with `hybrid`: who decides when the replicas roll out: eager (whenever the trainer waits), or verl's own rule,
     # separate_async (its enable_switch) | fully_async_default (its dynamic schedule) (`sim/stock.py`); a verl
     # rule lends only after a weight sync and takes the replicas back once its threshold of the batch is ready
@@ -62,6 +65,9 @@ class SystemSpec:
         if self.parameter_sync_step < 1 or self.poll_s < 0:
             raise ValueError(f"SystemSpec.parameter_sync_step = {self.parameter_sync_step}, poll_s = {self.poll_s}: "
                              "must be >= 1 and >= 0")
+        if self.resize_trainer and (self.lend_actor or self.hybrid or not self.elastic):
+            raise ValueError(f"SystemSpec {self.name}: resize_trainer needs elastic=True and neither lend_actor nor "
+                             "hybrid")
         if not 0 < self.rollout_ratio < 1:
             raise ValueError(f"SystemSpec.rollout_ratio = {self.rollout_ratio}: must be 0 < x < 1")
 

@@ -154,6 +154,10 @@ class TrainerBoundaryPort:
             self.roles[move.rank] = move.dst
         return self.applied
 
+    def resize_trainer(self, decision: Any) -> None:
+        """Never asked: trainer tide gives the planner no resize inputs (the Actor's group is not resized yet)."""
+        raise NotImplementedError("trainer tide does not resize the Actor's training group (docs/limits.md)")
+
     def report(self, result: RoundResult) -> None:
         decision = result.decision
         self.metrics.update(decision_metrics(decision, self.step_tokens, self.timer))
