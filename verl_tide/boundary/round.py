@@ -6,9 +6,9 @@ advice is not taken from a cycle that ran an evaluation, the budget factor is se
 each of them, those rules drifted. Here the round owns them; what differs between a verl job and the model is
 the port: how signals are read, how a rank moves, how the Actor's GPUs are lent, where a report goes.
 
-A round is replayable: `RoundRecord` keeps its inputs, the signals it read and what it did through the port,
-and `replay_round` drives a recorded round through any port (tests/test_planner_replay.py runs one through the
-simulator's port and trainer `tide`'s).
+A round is replayable: `RoundRecord` keeps its inputs, the signals it read, what it did through the port and its
+outcome; `ReplayedSignals` answers a replayed round's reads from the record, so a recorded round can be run again
+through any port (tests/test_planner_replay.py runs them through the simulator's port and trainer `tide`'s).
 """
 
 from __future__ import annotations
