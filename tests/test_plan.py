@@ -59,7 +59,7 @@ def test_the_cli_prints_the_plan_and_writes_json_and_a_plot(tmp_path, capsys):
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], "tensor_model_parallel_size = 2: not modeled"),
     (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator = gae: not modeled"),
     (["--model-params-b", "400", "--kv-bytes-per-token", "100000"], "does not fit"),
-    (["--hardware", "tpu"], "--hardware 'tpu': one of h100 | h200"),
+    (["--hardware", "tpu"], "--hardware 'tpu': one of h100 | h200 | testbed-cpu"),
     (["data.train_batch_size=zero"], "data.train_batch_size = 'zero': must be an integer >= 1"),
 ])
 def test_what_the_model_cannot_represent_is_refused_naming_the_key(args, message, capsys):

@@ -84,15 +84,24 @@ def main(argv: list[str] | None = None) -> int:
                          "data.max_response_length, ...multi_turn.max_assistant_turns, tide.max_staleness, "
                          "actor_rollout_ref.model.path (a local directory with config.json)")
     pl.add_argument("--workload", default="webshop",
-                    help="the environment's shape: a preset (webshop | alfworld | osworld | sciboard) or a workload "
-                         "YAML in the bench's schema (turns, tokens per turn, environment latency)")
-    pl.add_argument("--hardware", default="h100", help="h100 | h200 (published figures)")
+                    help="the environment's shape: a preset (webshop | alfworld | osworld | sciboard; testbed_demo "
+                         "with --hardware testbed-cpu) or a workload YAML in the bench's schema (turns, tokens per "
+                         "turn, environment latency)")
+    pl.add_argument("--hardware", default="h100",
+                    help="h100 | h200 (published figures), testbed-cpu (the CPU test bed's fake GPU, measured by "
+                         "benchmarks/testbed_calibrate.py), or a measured profile's YAML")
     pl.add_argument("--gpus", type=int, default=None, help="all GPUs, when the overrides give no layout")
     pl.add_argument("--steps", type=int, default=None, help="steps to simulate (default: the workload's)")
     pl.add_argument("--model-params-b", type=float, default=None, help="the model's parameters (billions), "
                     "instead of reading actor_rollout_ref.model.path")
     pl.add_argument("--kv-bytes-per-token", type=int, default=None, help="with --model-params-b: KV cache bytes "
                     "per token (2 x layers x KV heads x head dim x 2 bytes)")
+    pl.add_argument("--env-url", default=None, metavar="URL",
+                    help="measure the environment's turns, observation tokens and latencies through its running "
+                         "environment service (verl-tide env serve, or yours behind the same protocol) instead of "
+                         "taking them from --workload")
+    pl.add_argument("--env-name", default=None, help="with --env-url: the environment /start asks for")
+    pl.add_argument("--probe-episodes", type=int, default=16, help="with --env-url: episodes to play")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the prediction as JSON")
     pl.add_argument("--plot", default=None, metavar="PATH", help="write goodput by split as a PNG")
 
@@ -133,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.steps is not None and args.steps < 1:
             parser.error(f"--steps {args.steps}: must be >= 1")
+        if args.probe_episodes < 1:
+            parser.error(f"--probe-episodes {args.probe_episodes}: must be >= 1")
         try:
             return run_plan(args.overrides, args.workload, args.hardware, args.gpus, args.steps, args.model_params_b,
-                            args.kv_bytes_per_token, args.json, args.plot)
+                            args.kv_bytes_per_token, args.json, args.plot, args.env_url, args.env_name,
+                            args.probe_episodes)
         except (PlanError, WorkloadError) as e:
             parser.error(str(e))
     if args.group == "check":

