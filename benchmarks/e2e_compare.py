@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500.0, help="seconds per run")
     ap.add_argument("--repeats", type=int, default=1,
                     help="rounds over every system, the order reversed every other round; each system's result is "
-                         "its median-goodput run, with every run's goodput beside it")
+                         "the mean of its rounds (steps and curves of the round nearest it), with every round's "
+                         "goodput beside it")
     ap.add_argument("--first-round", type=int, default=1,
                     help="number the rounds from this one (a later sitting's round 2 runs in reverse order)")
     ap.add_argument("--timeline", action="store_true",

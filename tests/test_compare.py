@@ -49,6 +49,14 @@ def test_goodput_is_tokens_over_the_wall_clock_from_the_first_rollout_request():
     assert r["steps"][2]["prefix_cache_hit_rate"] is None
 
 
+def test_a_run_with_a_missing_step_line_is_no_result():
+    from verl_tide.testing.compare import missing_steps
+
+    assert missing_steps({1: {}, 2: {}, 3: {}}, 3) is None
+    assert "seen: [1, 3], expected 1..3" in missing_steps({1: {}, 3: {}}, 3)
+    assert "expected 1..3" in missing_steps({1: {}, 2: {}}, 3)
+
+
 def test_the_hit_rate_is_the_mean_over_tides_rollout_engines():
     line = _line(1, 1000, 0.1) + " - tide/engine/prefix_hit_rate/0:0.5 - tide/engine/prefix_hit_rate/1:0.7"
     r = wall_clock_summary([(10.0, line)], started_unix=0.0, first_request_unix=5.0)
@@ -130,8 +138,11 @@ def test_repeats_alternate_the_order_and_report_the_median_run_with_the_spread()
     runs = [{"returncode": 0, "goodput_tok_s": g, "goodput_after_step1_tok_s": g * 2, "startup_s": 90.0, "id": i}
             for i, g in enumerate([300.0, 100.0, 200.0])]
     r = over_repeats(runs)
-    assert r["id"] == 2 and r["goodput_tok_s"] == 200.0  # the median run, whole
+    # pooled: the mean of the rounds; the steps and curves of the round nearest it
+    assert r["goodput_tok_s"] == 200.0 and r["goodput_after_step1_tok_s"] == 400.0 and r["id"] == 2
     assert r["goodput_runs"] == [300.0, 100.0, 200.0] and (r["goodput_min"], r["goodput_max"]) == (100.0, 300.0)
+    two = over_repeats(runs[:2])
+    assert two["goodput_tok_s"] == 200.0 and two["pooled"] == "mean of 2 round(s)"  # not the lower of two
     assert over_repeats([runs[0], {"returncode": 1, "error": "x"}])["returncode"] == 1  # a failure is not hidden
 
 

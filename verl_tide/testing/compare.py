@@ -191,6 +191,9 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     if run.returncode != 0:
         return {"returncode": run.returncode, "error": run.output[-3000:]}
     summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
+    missing = missing_steps(summary["steps"], job.steps)
+    if missing:
+        return {"returncode": -1, "error": missing}
     result = {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
               "episodes_started": health["started"], "episodes_ended": health["ended"]}
     if run.device_busy is not None:  # device budgets: each fake GPU's (and the host's) usage / budget
@@ -198,6 +201,15 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     if poller is not None:
         result["timeline"] = run_timeline(lines, health["first_start_unix"], summary["wall_s"], poller.samples)
     return result
+
+
+def missing_steps(steps: dict[int, dict], expected: int) -> str | None:
+    """Why a run whose step lines are not exactly 1..`expected` is no result (fewer tokens over a shorter clock
+    would pass for one), or None."""
+    seen = sorted(steps)
+    if seen == list(range(1, expected + 1)):
+        return None
+    return f"step lines seen: {seen}, expected 1..{expected}: a run with a missing step line fails"
 
 
 def run_timeline(timed_lines: list[tuple[float, str]], first_request_unix: float, wall_s: float,
@@ -275,18 +287,20 @@ def run_order(names: list[str], round_index: int) -> list[str]:
 
 
 def over_repeats(runs: list[dict]) -> dict:
-    """One system's repeats as one result: the run with the median goodput (its steps and curves), and every
-    run's goodput with the spread. A failed run fails the system."""
+    """One system's rounds as one result: goodputs pooled as the mean of the rounds, with every round's and the
+    spread; the steps and curves of the round nearest that mean. A failed round fails the system."""
     failed = [r for r in runs if r.get("returncode") != 0]
     if failed:
         return failed[0]
-    ranked = sorted(runs, key=lambda r: r["goodput_tok_s"])
-    median = ranked[(len(ranked) - 1) // 2]
     goodputs = [r["goodput_tok_s"] for r in runs]
-    return {**median, "goodput_runs": goodputs, "goodput_min": min(goodputs), "goodput_max": max(goodputs),
-            "goodput_after_step1_runs": [r["goodput_after_step1_tok_s"] for r in runs],
+    mean = sum(goodputs) / len(goodputs)
+    nearest = min(runs, key=lambda r: abs(r["goodput_tok_s"] - mean))
+    later = [r["goodput_after_step1_tok_s"] for r in runs]
+    return {**nearest, "goodput_tok_s": mean, "goodput_after_step1_tok_s": sum(later) / len(later),
+            "pooled": f"mean of {len(runs)} round(s)", "goodput_runs": goodputs, "goodput_min": min(goodputs),
+            "goodput_max": max(goodputs), "goodput_after_step1_runs": later,
             "startup_runs_s": [r["startup_s"] for r in runs],
-            **({"device_busy_runs": [r.get("device_busy") for r in runs]} if median.get("device_busy") else {})}
+            **({"device_busy_runs": [r.get("device_busy") for r in runs]} if nearest.get("device_busy") else {})}
 
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:
