@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tok_s"]
     engine["agent_turn_s"], engine["engine_turn_s_modelled"] = trainer["agent_turn_s"], engine_turn_s
     request_overhead_s = max(trainer["agent_turn_s"] - engine_turn_s, engine["request_overhead_s"])
-    kv = engine["kv_capacity_tokens"] or 0
+    kv = engine["kv_capacity_tokens"]
+    if not kv:
+        raise RuntimeError("the engine's /metrics gave no KV capacity: no profile written (see engine.log)")
     profile = {
         "name": f"testbed-cpu ({budget})",
         "source": f"benchmarks/testbed_calibrate.py, {date.today().isoformat()}, commit {commit}, 2-core x86_64",
