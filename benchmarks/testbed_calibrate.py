@@ -181,8 +181,7 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
             # from step 2 on, as the rates above (step 1's first turns wait for the engines' lazy start)
             "agent_turn_s": (health["agent_turn_s"] - step1["agent_turn_s"]) / max(
                 1, health["agent_turns"] - step1["agent_turns"]),
-            "agent_turns": health["agent_turns"] - step1["agent_turns"],
-            "agent_turn_s_median_all_steps": health["agent_turn_s_median"]}
+            "agent_turns": health["agent_turns"] - step1["agent_turns"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,9 +15,8 @@ import inspect
 import itertools
 import json
 import secrets
-import statistics
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -83,7 +82,6 @@ class EnvServer:
         # The agents' side of each turn: from a reply (/start's or /observation's) to the session's next action,
         # the policy's generation and the agent loop's host path (what a simulator needs beside the engine's time)
         self.agent_turns, self.agent_turn_s = 0, 0.0
-        self._agent_turn_recent: deque[float] = deque(maxlen=4096)  # for the median: a job's cold start is no turn
         self._seq = itertools.count()
         self._runner: Optional[web.AppRunner] = None
         self._reaper: Optional[asyncio.Task] = None
@@ -158,10 +156,8 @@ class EnvServer:
         sid, action, request_id = parse_step_request(await self._json(request))
         session = self._session(sid)
         if not session.paused:
-            gap = self.clock() - session.last_active
             self.agent_turns += 1
-            self.agent_turn_s += gap
-            self._agent_turn_recent.append(gap)
+            self.agent_turn_s += self.clock() - session.last_active
         async with session.lock:
             if request_id is not None and session.last_reply and session.last_reply[0] == request_id:
                 return web.json_response(session.last_reply[1])  # a retried action: same answer, no second step
@@ -211,9 +207,7 @@ class EnvServer:
                                   "max_sessions": self.config.max_sessions, "envs": sorted(PRESETS),
                                   "session_timeout_s": self.config.session_timeout_s,
                                   "first_start_unix": self.first_start_unix, "agent_turns": self.agent_turns,
-                                  "agent_turn_s": round(self.agent_turn_s, 4),
-                                  "agent_turn_s_median": round(statistics.median(self._agent_turn_recent), 4)
-                                  if self._agent_turn_recent else None, **self.counters})
+                                  "agent_turn_s": round(self.agent_turn_s, 4), **self.counters})
 
     # ---- helpers ---------------------------------------------------------------------------
     async def _bounded(self, value: Any, what: str, sid: str) -> Any:

@@ -34,20 +34,23 @@ class EnvSamples:
                 "first_observation_tokens": stats(self.first_observation_tokens),
                 "observation_tokens": stats(self.observation_tokens)}
 
+    def environment(self) -> dict[str, dict[str, Any]]:
+        """The environment's part of a workload, in the bench's schema: turns, observation tokens, latencies."""
+        if not self.turns:
+            raise ValueError("the environment probe played no episode: nothing to describe")
+        return {"turns": fit(self.turns, integer=True),
+                "observation_tokens": fit(self.observation_tokens or [0], integer=True),
+                "env_latency_s": fit(self.step_s), "env_start_s": fit(self.start_s)}
+
     def workload(self, name: str, description: str, model: dict, prompt_tokens: float, action_tokens: int,
                  group_size: int, groups_per_step: int, gpus: int, steps: int, max_staleness: int) -> dict:
         """A workload in the bench's schema: the environment's part from this probe, the job's part given."""
-        if not self.turns:
-            raise ValueError("the environment probe played no episode: nothing to describe")
         return {
             "name": name, "description": description, "model": model,
             # the job's prompt holds the first observation (the agent loop puts /start's reply there)
             "prompt_tokens": {"dist": "fixed", "mean": round(prompt_tokens, 1)},
-            "turns": fit(self.turns, integer=True),
             "action_tokens": {"dist": "fixed", "mean": action_tokens},
-            "observation_tokens": fit(self.observation_tokens, integer=True),
-            "env_latency_s": fit(self.step_s),
-            "env_start_s": fit(self.start_s),
+            **self.environment(),
             "context_window": None, "group_size": group_size, "groups_per_step": groups_per_step,
             "reference_gpus": gpus, "steps": steps, "max_staleness": max_staleness,
             "eval": {"every_steps": 0, "at_start": False, "groups": 0, "group_size": 1},

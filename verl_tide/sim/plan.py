@@ -220,16 +220,14 @@ def with_probed_environment(w: Workload, url: str, env: Optional[str], episodes:
     service at `url` (`sim/env_probe.py`); the policy's part (prompt, tokens a turn) stays the workload's."""
     import asyncio
 
-    from verl_tide.sim.env_probe import fit, probe_environment
+    from verl_tide.sim.env_probe import probe_environment
     from verl_tide.sim.workload import Dist
 
     try:
         s = asyncio.run(probe_environment(url, episodes=episodes, env=env, tokenizer_path=tokenizer_path))
     except Exception as e:  # the service is the user's: say which URL failed and how
         raise PlanError(f"--env-url {url}: the environment probe failed ({type(e).__name__}: {e})") from None
-    return replace(w, turns=Dist(**fit(s.turns, integer=True)),
-                   observation_tokens=Dist(**fit(s.observation_tokens or [0], integer=True)),
-                   env_latency_s=Dist(**fit(s.step_s)), env_start_s=Dist(**fit(s.start_s)))
+    return replace(w, **{key: Dist(**d) for key, d in s.environment().items()})
 
 
 def main(overrides: list[str], workload: str, hardware: str, gpus: Optional[int], steps: Optional[int],
