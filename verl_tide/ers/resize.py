@@ -12,6 +12,13 @@ resize (bounded to halving or doubling the Actor's group), only if it stood for 
 cycles, repays its cost over the steps left, and not within `cooldown` cycles of the last (those cycles ran at the
 old split).
 
+The model's prediction is one cycle's extrapolation and can be wrong by more than the gain it predicts; acted on
+alone it walks back and forth (the simulator's WebShop from a rollout-starved start: ten resizes, half of them
+reversals). So every split the Actor has run at keeps its measured rate (sequences per cycle second, cycles past
+the cooldown), and a move stays inside the bracket those rates give: the goodput curve over the split has one
+peak, so a measured split worse than the best measured one bounds the search on its side. A target that was
+measured moves only if its measured rate beats the current one.
+
 Pure Python. The move itself (the Actor's state to host memory and back, the worker group rebuilt over the new
 GPU set) is the caller's: the simulator models it; trainer `tide` does not resize yet (docs/limits.md).
 """
@@ -47,9 +54,10 @@ class ResizeDecision:
         return self.actor_gpus - now
 
 
-def target_split(signals: ReadinessSignals, inputs: ResizeInputs) -> Optional[tuple[int, float, str]]:
+def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
+                 within: tuple[float, float] = (0, float("inf"))) -> Optional[tuple[int, float, str]]:
     """(Actor GPUs where the slower side is fastest, its predicted gain, why); None when the last cycle does not
-    say (no cycle, nothing measured)."""
+    say (no cycle, nothing measured). `within`: the open interval of Actor GPU counts a target may take."""
     cycle_s, twt, rate = signals.cycle_s, signals.trainer_wait_s, signals.rollout_capacity_rate
     r0, a0, g = inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica
     if not cycle_s or not rate or r0 < g or a0 < 1:
@@ -67,7 +75,8 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs) -> Optional[tu
         return min(rollout((r0 + a0 - actor) // g), trainer_rate * actor / a0)
 
     now = rate_at(a0)
-    candidates = [a for a in range(max(1, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1) if (a - a0) % g == 0]
+    candidates = [a for a in range(max(1, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1)
+                  if (a - a0) % g == 0 and (a == a0 or within[0] < a < within[1])]
     best = max(candidates, key=lambda a: (rate_at(a), -abs(a - a0)))
     gain = rate_at(best) / now - 1 if now > 0 else 0.0
     side = "the trainer" if trainer_rate < rollout(of) else "rollout"
@@ -83,13 +92,43 @@ class TrainerResizer:
     confirm: int = 2
     window: int = 3
     cooldown: int = 2  # cycles after a move before the next (they ran, at least partly, at the old split)
+    memory: int = 4  # measured cycles kept per split (the newest: a run's phases change what a split gives)
     _recent: list[Optional[int]] = field(default_factory=list)
     _since_move: int = 1 << 30
+    _measured: dict[int, list[float]] = field(default_factory=dict)  # Actor GPUs -> sequences per cycle second
+
+    def measured_rate(self, actor_gpus: int) -> Optional[float]:
+        rates = self._measured.get(actor_gpus)
+        return sum(rates) / len(rates) if rates else None
+
+    def best_measured(self) -> Optional[int]:
+        rates = {a: self.measured_rate(a) for a in self._measured}
+        return max(rates, key=lambda a: rates[a]) if rates else None
+
+    def bracket(self) -> tuple[float, float]:
+        """The open interval of Actor GPU counts where the peak can be: between the measured neighbours of the best
+        measured split (one peak: a split measured worse than the best bounds the search on its side)."""
+        best = self.best_measured()
+        if best is None:
+            return 0, float("inf")
+        rates = self._measured
+        return max((a for a in rates if a < best), default=0), min((a for a in rates if a > best),
+                                                                   default=float("inf"))
 
     def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_cycle: bool = False) -> ResizeDecision:
         a0 = inputs.actor_gpus
         self._since_move += 1
-        target = None if eval_cycle else target_split(signals, inputs)  # an evaluation starves the trainer by design
+        if not eval_cycle and signals.cycle_s and self._since_move > self.cooldown:
+            self._measured[a0] = [*self._measured.get(a0, []), inputs.batch / signals.cycle_s][-self.memory:]
+        # an evaluation starves the trainer by design: its cycle says nothing
+        target = None if eval_cycle else target_split(signals, inputs, self.bracket())
+        best_run = self.best_measured()
+        if target is not None and best_run is not None and min(a0, target[0]) < best_run < max(a0, target[0]):
+            # past the best split run so far: go back to it first, the search goes on from there
+            target = (best_run, target[1], f"{target[2]}; {best_run} GPU(s) measured best on the way to {target[0]}")
+        if target is not None and target[0] != a0 and self.measured_rate(target[0]) and self.measured_rate(a0):
+            measured_gain = self.measured_rate(target[0]) / self.measured_rate(a0) - 1  # both ran: trust the run
+            target = (target[0], measured_gain, f"{target[2]}; measured {measured_gain:+.0%} at {target[0]}")
         wanted = target[0] if target is not None and target[1] >= self.min_gain and target[0] != a0 else None
         self._recent = [*self._recent, wanted][-self.window:]
         if target is None:
