@@ -63,6 +63,39 @@ def test_a_move_needs_two_cycles_a_cooldown_and_to_repay_its_cost():
     assert late.decide(trainer_bound, _inputs(steps_left=1, move_s=500.0)).actor_gpus == 8
 
 
+def test_a_split_the_run_measured_worse_bounds_the_search_and_stops_the_walk_back():
+    """The model keeps predicting more Actor GPUs (its one-cycle extrapolation); the run measured 8 GPUs at 2.0
+    seq/s and 16 at 1.6: the peak lies below 16, so no move reaches 16 again; the next move goes to a split between
+    the measured ones, and a move back to a measured split happens only on its measured gain."""
+    resizer = TrainerResizer()
+    trainer_bound = _signals(rollout_utilization=0.5, rollout_wait_s=50.0)  # cycle 100 s, batch 200: 2.0 seq/s at 8
+    for _ in range(2):
+        d = resizer.decide(trainer_bound, _inputs())
+    assert d.actor_gpus == 16
+    slower = _signals(rollout_utilization=0.5, rollout_wait_s=50.0, cycle_s=125.0)  # 1.6 seq/s at 16
+    for _ in range(3):  # the cooldown's cycles are not measured (they ran partly at 8)
+        assert resizer.decide(slower, _inputs(rollout_gpus=16, actor_gpus=16)).actor_gpus == 16
+    assert resizer.measured_rate(8) == 2.0 and resizer.measured_rate(16) == 1.6
+    assert resizer.bracket() == (0, 16)  # the peak is below 16
+    back = resizer.decide(slower, _inputs(rollout_gpus=16, actor_gpus=16))  # the second cycle that says so
+    assert back.actor_gpus == 8 and "8 GPU(s) measured best" in back.reason and back.predicted_gain == 0.25
+    # from 8 the model asks for more again: only a split the run has not measured worse (below 16)
+    for _ in range(5):
+        d = resizer.decide(trainer_bound, _inputs())
+        assert d.actor_gpus < 16
+    # without the run's memory the same signals ask for 32 GPUs: the walk the bracket stops
+    assert target_split(slower, _inputs(rollout_gpus=16, actor_gpus=16))[0] > 16
+
+
+def test_a_target_beyond_the_best_measured_split_stops_there_first():
+    resizer = TrainerResizer()
+    resizer._measured = {20: [3.0], 24: [2.0]}  # 20 measured best, 24 worse: the peak is below 24
+    starved = _signals(trainer_wait_s=80.0, rollout_capacity_rate=1.0)  # the model says: far fewer Actor GPUs
+    assert target_split(starved, _inputs(rollout_gpus=8, actor_gpus=24))[0] < 20
+    d = [resizer.decide(starved, _inputs(rollout_gpus=8, actor_gpus=24)) for _ in range(2)][-1]
+    assert d.actor_gpus == 20 and "measured best on the way" in d.reason
+
+
 def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trains_faster():
     """The same decision through the boundary round: from 3 of 4 GPUs rolling out, ERS gives the Actor more
     (each resize logged with its stall), every sequence is accounted for, and the run is faster than without."""

@@ -17,7 +17,8 @@ alone it walks back and forth (the simulator's WebShop from a rollout-starved st
 reversals). So every split the Actor has run at keeps its measured rate (sequences per cycle second, cycles past
 the cooldown), and a move stays inside the bracket those rates give: the goodput curve over the split has one
 peak, so a measured split worse than the best measured one bounds the search on its side. A target that was
-measured moves only if its measured rate beats the current one.
+measured moves only if its measured rate beats the current one, and the best measured split wins over staying at
+one measured worse.
 
 Pure Python. The move itself (the Actor's state to host memory and back, the worker group rebuilt over the new
 GPU set) is the caller's: the simulator models it; trainer `tide` does not resize yet (docs/limits.md).
@@ -123,6 +124,9 @@ class TrainerResizer:
         # an evaluation starves the trainer by design: its cycle says nothing
         target = None if eval_cycle else target_split(signals, inputs, self.bracket())
         best_run = self.best_measured()
+        if target is not None and target[0] == a0 and best_run not in (None, a0) and self.measured_rate(a0):
+            # the model would stay where the run measured less than at another split: the run decides
+            target = (best_run, 0.0, f"{target[2]}; {best_run} GPU(s) measured best")
         if target is not None and best_run is not None and min(a0, target[0]) < best_run < max(a0, target[0]):
             # past the best split run so far: go back to it first, the search goes on from there
             target = (best_run, target[1], f"{target[2]}; {best_run} GPU(s) measured best on the way to {target[0]}")
