@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from verl_tide.testing.compare import best_stock, systems, wall_clock_summary
+from verl_tide.testing.compare import best_stock, missing_steps, systems, wall_clock_summary
 from verl_tide.testing.testbed import GRPOJob, override_key
 
 
@@ -15,7 +15,8 @@ def _job(n_gpus: int) -> GRPOJob:
 def test_every_split_the_fake_gpus_allow_with_and_without_the_hybrid_switch():
     names = [s.name for s in systems(_job(2))]
     assert names == ["verl sync", "verl colocate_async", "verl separate_async 1T/1R",
-                     "verl separate_async 1T/1R + hybrid switch", "tide", "tide, tide.ers.lend_actor=false"]
+                     "verl separate_async 1T/1R + hybrid switch", "verl fully_async 1T/1R + dynamic schedule", "tide",
+                     "tide, tide.ers.lend_actor=false"]
     three = [s for s in systems(_job(3)) if "separate_async" in s.name]
     assert sorted({s.rollout_gpus for s in three}) == [1, 2] and len(three) == 4
     for s in three:  # trainer + rollout GPUs = the job's, weights every step, one staleness bound for all
@@ -31,6 +32,47 @@ def test_every_split_the_fake_gpus_allow_with_and_without_the_hybrid_switch():
     assert not any(override_key(o) == "tide.ers.lend_actor" for o in tide.overrides)
     assert tide.rollout_gpus == 2 and no_lending.rollout_gpus == 1
     assert set(no_lending.overrides) - set(tide.overrides) == {"tide.ers.lend_actor=false"}
+
+
+def test_verl_fully_async_runs_its_own_entry_point_with_the_dynamic_schedule_and_the_same_bound():
+    """verl's fully_async trainer at every split: its entry point, a step of the job's prompts, the weights synced
+    every step, hybrid replicas lent by the dynamic schedule's default policy, and the bound every system gets
+    (a lag of k versions: staleness_threshold k, samples at most k steps ahead)."""
+    job = _job(3)
+    fa = [s for s in systems(job, max_staleness=2) if "fully_async" in s.name]
+    assert [s.rollout_gpus for s in fa] == [1, 2]
+    for s in fa:
+        assert s.entry == "verl.experimental.fully_async_policy.fully_async_main" and s.metrics_by_global_step
+        keys = dict(o.split("=", 1) for o in s.overrides)
+        assert int(keys["trainer.n_gpus_per_node"]) + int(keys["rollout.n_gpus_per_node"]) == 3
+        assert keys["async_training.staleness_threshold"] == "2.0"
+        assert keys["async_training.trigger_parameter_sync_step"] == "1"
+        assert keys["async_training.use_dynamic_resource_scheduling"] == "True"
+        assert keys["async_training.dynamic_schedule_policy"] == "default"
+        assert keys["actor_rollout_ref.actor.ppo_mini_batch_size"] == str(job.train_batch_size)
+        assert keys["rollout.total_rollout_steps"] == str(job.steps * job.train_batch_size)
+    from verl_tide.job_config import fully_async_staleness_threshold
+    assert fully_async_staleness_threshold(0) == 0.0 and fully_async_staleness_threshold(1) == 1.0
+
+
+def test_fully_async_steps_are_read_by_their_global_step_and_end_at_their_own_update():
+    """verl's fully_async trainer prints, after step k's weight update, a line `step:k` of the rollouter's numbers
+    and then the training metrics of step k-1 (`training/global_step:k-1`); the last step's metrics come after
+    the run, under the same N. Step k's metrics are the line naming it; step k ended at the first `step:k` line."""
+    p = "\x1b[36m(FullyAsyncTrainer pid=1)\x1b[0m "
+    lines = [(100.0, p + "step:0 - fully_async/rollouter/active_time:9.0"),
+             (110.0, p + "step:1 - fully_async/rollouter/active_time:1.0"),
+             (120.0, p + "step:2 - fully_async/rollouter/active_time:1.0"),
+             (120.5, p + "step:2 - training/global_step:1.0 - perf/total_num_tokens:1000 - critic/score/mean:0.1"),
+             (130.0, p + "step:3 - fully_async/rollouter/active_time:1.0"),
+             (130.5, p + "step:3 - training/global_step:2.0 - perf/total_num_tokens:1100 - critic/score/mean:0.2"),
+             (140.0, p + "step:3 - training/global_step:3.0 - perf/total_num_tokens:1200 - critic/score/mean:0.3")]
+    r = wall_clock_summary(lines, started_unix=90.0, first_request_unix=100.0, by_global_step=True)
+    assert sorted(r["steps"]) == [1, 2, 3] and missing_steps(r["steps"], 3) is None
+    assert r["tokens"] == 3300 and r["wall_s"] == 30.0  # the clock ends at step 3's update, not its late line
+    assert [r["steps"][n]["reward"] for n in (1, 2, 3)] == [0.1, 0.2, 0.3]
+    # read as verl's other trainers print (by N), the same lines lose step 2 to the later line of its N
+    assert wall_clock_summary(lines, 90.0, 100.0)["tokens"] != 3300
 
 
 def _line(n: int, tokens: float, reward: float) -> str:

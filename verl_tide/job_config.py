@@ -26,6 +26,17 @@ def off_policy_threshold(max_staleness: int) -> int:
     return max_staleness + 1
 
 
+def fully_async_staleness_threshold(max_staleness: int) -> float:
+    """verl's `fully_async` trainer's `async_training.staleness_threshold` for a bound of `max_staleness` policy
+    versions, with a weight sync every step (`trigger_parameter_sync_step=1`).
+
+    verl 0.9.1's rollouter keeps at most `required_samples x (staleness_threshold + 1)` samples generated but not
+    yet trained on: a threshold of k lets it run k steps' samples ahead of the trainer, so a sample is trained at
+    most k versions after the weights that made it. The head-to-head's systems all take their bound from here and
+    `off_policy_threshold`."""
+    return float(off_policy_threshold(max_staleness) - 1)
+
+
 def tide_config_from_job(config: DictConfig) -> TideConfig:
     """Validate `config.tide`; raise `TideConfigError` naming each bad key.
 

@@ -1,7 +1,8 @@
 """The same GRPO job under every trainer a verl user could pick instead of `+tide=enabled`, on one wall clock.
 
-Issue 24's head-to-head: verl `sync`; verl `colocate_async`; verl `separate_async` with verl's default hybrid
-replicas, with and without the hybrid switch, at every rollout/trainer split the job's fake GPUs allow; and
+The head-to-head: verl `sync`; verl `colocate_async`; verl `separate_async` with verl's default hybrid
+replicas, with and without the hybrid switch, at every rollout/trainer split the job's fake GPUs allow; verl's
+`fully_async` trainer (its own entry point) with its dynamic schedule's `default` policy at each split; and
 `+tide=enabled`. Same model, data, environment, seeds, steps, staleness bound (`max_staleness`) and weight-sync
 cadence (every step) where the mode has one.
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verl_tide.ers.lending import resolve_lend_actor
-from verl_tide.job_config import off_policy_threshold
+from verl_tide.job_config import fully_async_staleness_threshold, off_policy_threshold
 from verl_tide.testing.demo import env_agent_overrides, under_tide
 from verl_tide.testing.testbed import (GRPOJob, grpo_overrides, parse_step_metrics, run_with_env_service,
                                        tide_overrides, with_overrides)
@@ -28,6 +29,7 @@ REWARD = "critic/score/mean"
 NO_LENDING = "tide, tide.ers.lend_actor=false"
 LENDING_BESIDE_REF = "tide, tide.ers.lend_actor=true"
 _STEP = re.compile(r"step:(\d+) - ")
+GLOBAL_STEP = "training/global_step"
 HIT_RATE_PREFIX = "tide/engine/prefix_hit_rate/"
 
 # Per-step metrics each system reports where it has them (None where a system has no such number).
@@ -63,6 +65,13 @@ class System:
     name: str
     overrides: tuple[str, ...]
     rollout_gpus: int  # fake GPUs that roll out (all of them for hybrid engines)
+    entry: str = "verl.trainer.main_ppo"  # the verl entry point it runs under
+    # verl's fully_async trainer logs a step's training metrics one step late (in the line after its next update)
+    # and the step number of its own line is the policy version: its steps are read by `training/global_step`
+    metrics_by_global_step: bool = False
+
+
+FULLY_ASYNC_ENTRY = "verl.experimental.fully_async_policy.fully_async_main"
 
 
 POLL_AS_VERL = "tide, verl's 2 s sampler poll"
@@ -109,6 +118,10 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
             out.append(System(f"{WHAT_IF}verl separate_async {job.n_gpus - rollout}T/{rollout}R + hybrid switch, "
                               "0.2 s poll", (*split, "trainer.v1.separate_async.hybrid_rollout.enable_switch=True",
                                              *fast_poll_overrides("separate_async")), rollout))
+    for rollout in range(1, job.n_gpus):  # verl's fully_async trainer, its dynamic schedule's default policy
+        out.append(System(f"verl fully_async {job.n_gpus - rollout}T/{rollout}R + dynamic schedule",
+                          fully_async_overrides(job, rollout, max_staleness), rollout, entry=FULLY_ASYNC_ENTRY,
+                          metrics_by_global_step=True))
     # tide as a user gets it: `+tide=enabled` with its defaults (tide.ers.lend_actor=auto: the Actor's GPUs roll
     # out as ERS decides, unless the job has a Ref model)
     def tide_at(rollout: int) -> tuple[str, ...]:
@@ -131,6 +144,35 @@ def systems(job: GRPOJob, max_staleness: int = 1, tide_rollout_gpus: int = 1,
     else:  # a Ref model (verl's, on the trainer's GPUs): lending is opt-in there, beside verl's Ref
         out.append(System(LENDING_BESIDE_REF, (*tide, "tide.ers.lend_actor=true"), job.n_gpus))
     return out
+
+
+def fully_async_overrides(job: GRPOJob, rollout_gpus: int, max_staleness: int) -> tuple[str, ...]:
+    """The job under `python -m verl.experimental.fully_async_policy.fully_async_main` (its config composes
+    `ppo_trainer` and adds `async_training` and a top-level `rollout`): `rollout_gpus` standalone rollout fake GPUs,
+    the rest train and lend a hybrid replica to rollout as the dynamic schedule's `default` policy decides; one
+    prompt per sample (its `gen_batch_size`), a step trains `train_batch_size` prompts (its `required_samples` =
+    `ppo_mini_batch_size` x `require_batches`), the weights synced every step, the staleness bound as every other
+    system's."""
+    prompts = job.train_batch_size
+    return (
+        "data.train_batch_size=0", "data.gen_batch_size=1",
+        f"trainer.n_gpus_per_node={job.n_gpus - rollout_gpus}", "rollout.nnodes=1",
+        f"rollout.n_gpus_per_node={rollout_gpus}", f"rollout.n={job.rollout_n}",
+        f"rollout.total_rollout_steps={job.steps * prompts}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={prompts}", "async_training.require_batches=1",
+        f"async_training.staleness_threshold={fully_async_staleness_threshold(max_staleness)}",
+        "async_training.trigger_parameter_sync_step=1",
+        "async_training.use_dynamic_resource_scheduling=True", "async_training.dynamic_schedule_policy=default",
+        # its rollouter picks `single_turn_agent` for every sample unless multi-turn is on (detach_utils.py)
+        "actor_rollout_ref.rollout.multi_turn.enable=True",
+        "actor_rollout_ref.hybrid_engine=false",  # its dynamic schedule builds the hybrid replicas itself
+        "actor_rollout_ref.rollout.checkpoint_engine.backend=tide_shm",
+        "actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=verl_tide.weight_sync",
+        # its trainer logs the last step's metrics only where `version % test_freq != 0` (never validating here)
+        "trainer.test_freq=1000000",
+        # its trainer and rollouter actors ask Ray for 10 CPUs each
+        "ray_kwargs.ray_init.num_cpus=40",
+    )
 
 
 def mechanisms(steps: dict[int, dict]) -> dict[str, float]:
@@ -184,13 +226,15 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     try:
         run, health = run_with_env_service(
             lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra, *stats]), work,
-            latency_scale=latency_scale, timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=on_line)
+            latency_scale=latency_scale, timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=on_line,
+            module=system.entry)
     finally:
         if poller is not None:
             poller.stop()
     if run.returncode != 0:
         return {"returncode": run.returncode, "error": run.output[-3000:]}
-    summary = wall_clock_summary(lines, started, health.get("first_start_unix"))
+    summary = wall_clock_summary(lines, started, health.get("first_start_unix"),
+                                 by_global_step=system.metrics_by_global_step)
     missing = missing_steps(summary["steps"], job.steps)
     if missing:
         return {"returncode": -1, "error": missing}
@@ -224,23 +268,27 @@ def run_timeline(timed_lines: list[tuple[float, str]], first_request_unix: float
             "prefix_cache_hit_rate": pooled_engine_hit_rate(engines)}
 
 
-def _step_lines(timed_lines: list[tuple[float, str]]) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
-    """When each step's metrics line arrived, and each step's metrics."""
+def _step_lines(timed_lines: list[tuple[float, str]], by_global_step: bool = False
+                ) -> tuple[dict[int, float], dict[int, dict[str, float]]]:
+    """When each step ended (its first metrics line arrived), and each step's metrics. `by_global_step`: a step's
+    metrics are the line whose `training/global_step` names it, wherever it came (verl's fully_async trainer logs
+    them after the next step's update, under the policy version's number)."""
     arrivals: dict[int, float] = {}
     for t, text in timed_lines:
         for match in _STEP.finditer(text):
             arrivals.setdefault(int(match.group(1)), t)
-    steps = parse_step_metrics("".join(text if text.endswith("\n") else text + "\n" for _, text in timed_lines))
+    steps = parse_step_metrics("".join(text if text.endswith("\n") else text + "\n" for _, text in timed_lines),
+                               key_by=GLOBAL_STEP if by_global_step else None)
     return arrivals, steps
 
 
 def wall_clock_summary(timed_lines: list[tuple[float, str]], started_unix: float,
-                       first_request_unix: float | None) -> dict:
+                       first_request_unix: float | None, by_global_step: bool = False) -> dict:
     """Goodput and the per-step numbers of one run on the benchmark's clock.
 
     `timed_lines`: (Unix time the line arrived, text) for every output line of the run; `started_unix`: when the
     job was launched; `first_request_unix`: the environment service's first /start (None: no episode started)."""
-    arrivals, steps = _step_lines(timed_lines)
+    arrivals, steps = _step_lines(timed_lines, by_global_step)
     done = sorted(n for n in steps if n in arrivals)
     if not done or first_request_unix is None:
         raise ValueError(f"no step finished or no rollout request seen (steps {sorted(steps)}, first request "

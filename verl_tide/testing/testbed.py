@@ -170,9 +170,9 @@ class RunResult:
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
                  extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
-                 host_pids: tuple[int, ...] = ()) -> RunResult:
-    """Run `python -m verl.trainer.main_ppo` in a subprocess; always clean what a CPU run leaves in /dev/shm and
-    the temp dir (`run_scratch`).
+                 host_pids: tuple[int, ...] = (), module: str = "verl.trainer.main_ppo") -> RunResult:
+    """Run `python -m verl.trainer.main_ppo` (or another of verl's entry points, `module`) in a subprocess; always
+    clean what a CPU run leaves in /dev/shm and the temp dir (`run_scratch`).
 
     `on_line` sees every output line as it comes (progress display). With device budgets
     (`VERL_TIDE_DEVICE_BUDGETS` in the environment or `extra_env`; `testing/device_budgets.py`) the job runs on
@@ -181,7 +181,7 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
     cores = env.get(device_budgets.BUDGET_ENV)
     with run_scratch() as scratch_env:
         if not cores:
-            return _run_main_ppo({**env, **scratch_env}, overrides, cwd, timeout_s, log_path, on_line)
+            return _run_main_ppo({**env, **scratch_env}, overrides, cwd, timeout_s, log_path, on_line, module=module)
         # device budgets (device_budgets.py): the job's groups, the driver and all it starts in the host group,
         # each worker moving itself to its fake GPU's; the busy fractions at the end; the groups removed
         host = env.get(device_budgets.HOST_ENV)
@@ -192,7 +192,7 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
                 jb.place(pid, [])
             before = {g: jb.usage_s(g) for g in jb.groups()}
             result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd, timeout_s,
-                                   log_path, on_line, preexec=lambda: jb.place(os.getpid(), []))
+                                   log_path, on_line, preexec=lambda: jb.place(os.getpid(), []), module=module)
             busy = jb.busy_fractions(before, result.seconds)
             line = device_budgets.summary(busy, jb)
             if log_path:
@@ -205,14 +205,14 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
 
 def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, timeout_s: float,
                   log_path: str | Path | None, on_line: Callable[[str], None] | None,
-                  preexec: Optional[Callable[[], None]] = None) -> RunResult:
+                  preexec: Optional[Callable[[], None]] = None, module: str = "verl.trainer.main_ppo") -> RunResult:
     from verl_tide.testing import private_tmp
 
     env.setdefault("RAY_DEDUP_LOGS", "0")
     if env.get("TORCHINDUCTOR_CACHE_DIR"):  # exists before the job's private /tmp binds it back (shared cache)
         os.makedirs(env["TORCHINDUCTOR_CACHE_DIR"], exist_ok=True)
     # a /tmp of its own for the files the job creates there (verl's fixed weight-sync socket paths: private_tmp.py)
-    cmd = private_tmp.wrap([sys.executable, "-m", "verl.trainer.main_ppo", *overrides])
+    cmd = private_tmp.wrap([sys.executable, "-m", module, *overrides])
     start = time.monotonic()
     log = open(log_path, "w") if log_path else None
     lines: list[str] = []
@@ -268,7 +268,8 @@ def spawn_env_service(*extra_args: str, latency_scale: float = 0.0, python: str 
 
 def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path, *env_args: str,
                          latency_scale: float = 0.0, timeout_s: float = 900.0, log_path: str | Path | None = None,
-                         on_line: Callable[[str], None] | None = None) -> tuple[RunResult, dict]:
+                         on_line: Callable[[str], None] | None = None,
+                         module: str = "verl.trainer.main_ppo") -> tuple[RunResult, dict]:
     """A `main_ppo` job against its own environment service (`verl-tide env serve --session-timeout 600
     *env_args`): `overrides(url)` builds the job's overrides; returns the run and the service's /health after it
     (sessions started, ended, open, `first_start_unix`); the service is stopped either way."""
@@ -279,7 +280,7 @@ def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path,
     proc, url = spawn_env_service("--session-timeout", "600", *env_args, latency_scale=latency_scale)
     try:
         run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line,
-                           host_pids=(proc.pid,))
+                           host_pids=(proc.pid,), module=module)
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             health = json.load(r)
     finally:
@@ -345,8 +346,11 @@ _STEP_LINE = re.compile(r"step:(\d+) - (.*)")
 _RAY_PREFIX = re.compile(r"^(?:\x1b\[\d+m)?\([^)]*\)(?:\x1b\[0m)?\s?")
 
 
-def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
-    """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only).
+def parse_step_metrics(output: str, key_by: Optional[str] = None) -> dict[int, dict[str, float]]:
+    """verl's console-logger lines `step:N - key:value - ...` as {N: {key: value}} (numeric values only; of two
+    lines of one N, the later). `key_by`: a metric whose value numbers the line instead of N (a line without it
+    is left out): verl's fully_async trainer logs a step's metrics under a later N, naming the step in
+    `training/global_step`.
 
     Ray's log forwarding can split one long line: a line of the same process whose text (after Ray's
     `(Actor pid=...)` prefix) starts with `- ` continues the step line before it (seen once in 24 steps of 6 kB
@@ -354,8 +358,8 @@ def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
     new step line); so does any line of that process while the step line ends mid-separator (` -`), with other
     processes' lines and tqdm's progress bar in between (seen 2026-12-04: step 4's line cut after 924 characters,
     its rest 10 lines on)."""
-    texts: dict[int, str] = {}
-    last: Optional[int] = None
+    texts: list[tuple[int, str]] = []  # (N, the line's text after `step:N - `), in order
+    last: Optional[int] = None  # index into texts
     last_prefix = ""
     for line in output.splitlines():
         prefix_match = _RAY_PREFIX.match(line)
@@ -363,18 +367,19 @@ def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
         rest = line[len(prefix):]
         m = _STEP_LINE.match(rest)  # at the start: a metric such as `training/global_step:13 - ` is no step line
         if m:
-            last, last_prefix = int(m.group(1)), prefix
-            texts[last] = m.group(2)
+            texts.append((int(m.group(1)), m.group(2)))
+            last, last_prefix = len(texts) - 1, prefix
             continue
         if last is None:
             continue
-        cut = texts[last].rstrip().endswith(" -")
+        n, text = texts[last]
+        cut = text.rstrip().endswith(" -")
         if prefix == last_prefix and (rest.startswith("- ") or cut):
-            texts[last] = texts[last].rstrip() + " " + rest.strip()
+            texts[last] = (n, text.rstrip() + " " + rest.strip())
         elif prefix == last_prefix or not cut:
             last = None
     steps: dict[int, dict[str, float]] = {}
-    for n, text in texts.items():
+    for n, text in texts:
         metrics = {}
         for item in text.split(" - "):
             key, _, value = item.strip().rpartition(":")
@@ -382,5 +387,8 @@ def parse_step_metrics(output: str) -> dict[int, dict[str, float]]:
                 metrics[key] = float(re.sub(r"^np\.\w+\((.*)\)$", r"\1", value.strip()))
             except ValueError:
                 pass
-        steps[n] = metrics
+        if key_by is None:
+            steps[n] = metrics
+        elif key_by in metrics:
+            steps[int(metrics[key_by])] = metrics
     return steps
