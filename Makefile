@@ -36,9 +36,14 @@ test:
 test-fast: venv
 	$(PY) -m pytest -ra $(XDIST) -m "not testbed and not verl_process and not openenv" $(PYTEST_ARGS)
 
-## The demo's multi-turn GRPO job on CPU under every stock verl mode and `+tide=enabled`, one wall clock (~35 min).
+## The demo's multi-turn GRPO job on CPU, 20 steps, one wall clock (~25 min): verl `sync`, `separate_async` + hybrid
+## switch, `fully_async` + dynamic schedule and `+tide=enabled`, on budgeted fake GPUs where cgroups are writable
+## (DEMO_BUDGETS=none: shared cores). Every mode and split, alternated rounds: docs/benchmarks.md.
+DEMO_BUDGETS ?= auto
 demo: venv
-	$(PY) benchmarks/e2e_compare.py --workdir outputs/demo --json outputs/demo/compare.json
+	$(PY) benchmarks/e2e_compare.py --device-budgets $(DEMO_BUDGETS) --steps 20 --only "verl sync" \
+	  --only "verl separate_async 1T/1R + hybrid switch" --only "verl fully_async 1T/1R + dynamic schedule" \
+	  --only tide --workdir outputs/demo --json outputs/demo/compare.json
 
 ## Simulated cluster: stock verl baselines vs TideRL on every preset workload, 32 GPUs (~1 min).
 bench: venv

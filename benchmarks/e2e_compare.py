@@ -71,19 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attribution", action="store_true",
                     help=f"also run '{POLL_AS_VERL}' (tide.sample_poll_s=2: how much of tide's number is its "
                          "faster look for ready groups)")
-    ap.add_argument("--device-budgets", type=float, default=None, metavar="CORES",
+    ap.add_argument("--device-budgets", default=None, metavar="CORES",
                     help="fake GPUs that idle like GPUs: a CPU quota of CORES per fake GPU (root and a writable "
-                         "cgroup CPU controller; testing/device_budgets.py); default: none, every fake GPU shares "
-                         "the machine's cores")
+                         "cgroup CPU controller; testing/device_budgets.py); 'auto': half the machine's cores "
+                         "shared by the fake GPUs, the other half the host's, where cgroups are writable, else "
+                         "none; 'none' or left out: every fake GPU shares the machine's cores")
     ap.add_argument("--host-cores", type=float, default=None,
                     help="with --device-budgets: the host side's quota (default: the cores the fake GPUs leave)")
     args = ap.parse_args(argv)
-    budgets = device_budgets_env(args.device_budgets, args.host_cores)
+    every_part = args.preset == "every_part"
+    gpus = args.gpus or (3 if every_part else 2)
+    cores, host = budgets_asked(args.device_budgets, args.host_cores, gpus)
+    budgets = device_budgets_env(cores, host)
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    every_part = args.preset == "every_part"
-    gpus = args.gpus or (3 if every_part else 2)
     latency = args.latency_scale if args.latency_scale is not None else (2.0 if every_part else 1.0)
     job = demo_job(work, args.steps, args.batch or (6 if every_part else 4), args.n, gpus, seed=args.seed)
     extra: tuple[str, ...] = (f"data.seed={args.seed}", f"actor_rollout_ref.rollout.seed={args.seed}") \
@@ -155,6 +157,28 @@ def main(argv: list[str] | None = None) -> int:
                                               "repeats": max(1, args.repeats), "seed": args.seed,
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
+
+
+def budgets_asked(value: str | None, host: float | None, gpus: int) -> tuple[float | None, float | None]:
+    """`--device-budgets`: a number of cores per fake GPU, or `auto` (half the machine's cores to the fake GPUs,
+    half to the host, where this process can write cgroups; none, said why, where it cannot)."""
+    import os
+
+    from verl_tide.testing.device_budgets import writable
+
+    if value is None or value == "none":
+        return None, host
+    if value != "auto":
+        try:
+            return float(value), host
+        except ValueError:
+            raise SystemExit(f"--device-budgets {value!r}: a number of cores per fake GPU (e.g. 0.5), 'auto' or 'none'")
+    why = writable()
+    if why is not None:
+        print(f"[compare] --device-budgets auto: no budgets ({why})", flush=True)
+        return None, None
+    half = (os.cpu_count() or 1) / 2
+    return round(half / gpus, 3), (host if host is not None else half)
 
 
 def device_budgets_env(cores: float | None, host: float | None) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from verl_tide.testing.device_budgets import (BUDGET_ENV, ROOT_ENV, BudgetError, JobBudgets, find_hierarchy,
                                               group_name, place_self, quota_us, remove_stale,
-                                              visible_devices)
+                                              visible_devices, writable)
 
 BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < {s}: pass\n"
 
@@ -83,6 +83,20 @@ def test_budgets_that_cannot_hold_stop_with_an_error_naming_the_setting(tmp_path
     with pytest.raises(BudgetError, match=ROOT_ENV):
         place_self()
     assert group_name([1, 0]) == "gpu0+1" and group_name([]) == "host"
+
+
+def test_auto_budgets_ask_whether_groups_can_be_made_and_leave_none_behind(monkeypatch):
+    """`--device-budgets auto` (make demo) budgets only where a probe group can be made; here, as root, it can."""
+    import verl_tide.testing.device_budgets as db
+
+    assert writable() is None
+    assert not list((find_hierarchy().cpu / db.PREFIX).glob(f"probe-{os.getpid()}*"))
+
+    def unmounted():
+        raise BudgetError("no cgroup CPU controller is mounted")
+
+    monkeypatch.setattr(db, "find_hierarchy", unmounted)
+    assert "no cgroup CPU controller" in writable()
 
 
 def test_a_killed_jobs_empty_groups_are_removed_when_the_next_job_starts():

@@ -224,6 +224,16 @@ class JobBudgets:
                 pass  # another job's groups are still there
 
 
+def writable() -> Optional[str]:
+    """None where this process can make budgeted groups (a probe job's root made and removed), else why not: what
+    `--device-budgets auto` asks before it budgets a run."""
+    try:
+        JobBudgets.create(1, 0.1, host_cores=0.1, total_cores=1.0, job=f"probe-{os.getpid()}").remove()
+    except (BudgetError, OSError) as e:
+        return str(e)
+    return None
+
+
 def remove_stale(h: Optional[Hierarchy] = None) -> list[str]:
     """Delete the groups of jobs that left no process behind (a launcher killed before its cleanup ran); returns
     their names. A job with a process still in any of its groups is left alone."""
