@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                   for name, r in finished.items()}
         plot_rewards(curves, work / f"rewards_by_{axis}.png", f"reward ({REWARD}) against {axis}",
                      xlabel="step" if axis == "step" else "wall-clock s from the first rollout request")
+    if any(r.get("device_timeline") for r in finished.values()):
+        plot_device_timeline(finished, work / "device_busy.png")
+        print(f"[compare] {work / 'device_busy.png'}")
     if args.timeline:
         print_timeline(finished)
         timeline.plot(finished, str(work / "timeline.png"))
@@ -157,6 +160,30 @@ def main(argv: list[str] | None = None) -> int:
                                               "repeats": max(1, args.repeats), "seed": args.seed,
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
+
+
+def plot_device_timeline(finished: dict[str, dict], path: Path) -> None:
+    """Each system's fake GPUs and host busy (CPU used / budget) over the benchmark's clock, one panel a system
+    (the round nearest the system's mean): which device idled when."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = {n: r["device_timeline"] for n, r in finished.items() if r.get("device_timeline")}
+    fig, axes = plt.subplots(len(shown), 1, figsize=(10, 2.2 * len(shown)), sharex=True, squeeze=False)
+    for ax, (name, tl) in zip(axes[:, 0], shown.items()):
+        groups = sorted({g for b in tl["busy"] for g in b})
+        for g in groups:
+            ax.step(tl["t_s"], [b.get(g, 0.0) for b in tl["busy"]], where="post", label=g)
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel("busy")
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=len(groups))
+    axes[-1, 0].set_xlabel(f"s from the first rollout request ({next(iter(shown.values()))['bin_s']:g} s bins)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def budgets_asked(value: str | None, host: float | None, gpus: int) -> tuple[float | None, float | None]:

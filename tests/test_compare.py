@@ -75,6 +75,17 @@ def test_fully_async_steps_are_read_by_their_global_step_and_end_at_their_own_up
     assert wall_clock_summary(lines, 90.0, 100.0)["tokens"] != 3300
 
 
+def test_device_busy_is_taken_over_the_benchmarks_clock_not_the_start_up():
+    """A fake GPU busy through a 100 s start-up and idle on the clock reads idle; the timeline has each bin."""
+    from verl_tide.testing.compare import device_busy_on_clock
+
+    samples = [(0.0, {"gpu0": 0.0}), (100.0, {"gpu0": 50.0}), (110.0, {"gpu0": 50.0}), (120.0, {"gpu0": 55.0})]
+    r = device_busy_on_clock(samples, {"gpu0": 0.5}, first_request_unix=100.0, wall_s=20.0, bin_s=10.0)
+    assert r["device_busy"] == {"gpu0": 0.5}  # 5 CPU s over 20 s at 0.5 cores
+    assert r["device_timeline"]["t_s"] == [0.0, 10.0]
+    assert [b["gpu0"] for b in r["device_timeline"]["busy"]] == [0.0, 1.0]
+
+
 def _line(n: int, tokens: float, reward: float) -> str:
     return f"\x1b[36m(TaskRunnerV1 pid=1)\x1b[0m step:{n} - perf/total_num_tokens:{tokens} - critic/score/mean:{reward}"
 

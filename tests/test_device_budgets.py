@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from verl_tide.testing.device_budgets import (BUDGET_ENV, ROOT_ENV, BudgetError, JobBudgets, find_hierarchy,
-                                              group_name, place_self, quota_us, remove_stale,
-                                              visible_devices, writable)
+from verl_tide.testing.device_budgets import (BUDGET_ENV, ROOT_ENV, BudgetError, JobBudgets, UsageSampler,
+                                              busy_between, find_hierarchy, group_name, place_self, quota_us,
+                                              remove_stale, visible_devices, writable)
 
 BUSY = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < {s}: pass\n"
 
@@ -43,14 +43,22 @@ def test_each_fake_gpu_runs_at_its_budget_and_an_idle_ones_budget_is_not_taken(j
     assert job.budget_cores("gpu0") == pytest.approx(0.4) and set(busy) >= {"gpu0", "gpu1", "host"}
     for g in ("gpu0", "gpu1"):
         assert 0.5 < busy[g] <= 1.1, busy  # at its budget, never past it
-    # fake GPU 1 idles (its process sleeps) while 0 computes: 0 still gets only its own 0.4 cores
+    # fake GPU 1 idles (its process sleeps) while 0 computes: 0 still gets only its own 0.4 cores; the sampler's
+    # timeline says the same over the busy window and shows gpu0 idle after its process ends
+    sampler = UsageSampler(job, interval_s=0.25).start()
     a, b = _busy(2.5), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.5)"])
     job.place(a.pid, [0]), job.place(b.pid, [1])
     before = {g: job.usage_s(g) for g in job.groups()}
-    t0 = time.monotonic()
+    t0, start = time.monotonic(), time.time()
     a.wait(), b.wait()
     busy = job.busy_fractions(before, time.monotonic() - t0)
+    end = time.time()
+    time.sleep(1.0)
+    sampler.stop()
     assert busy["gpu0"] <= 1.1 and busy["gpu1"] < 0.1, busy
+    window = busy_between(sampler.samples, sampler.budgets, start + 0.5, end - 0.2)
+    assert 0.5 < window["gpu0"] <= 1.1 and window["gpu1"] < 0.1, window
+    assert busy_between(sampler.samples, sampler.budgets, end + 0.1, end + 0.9)["gpu0"] < 0.1
     stat = dict(line.split() for line in (job.hierarchy.cpu / job.rel / "gpu0" / "cpu.stat").read_text().splitlines())
     assert int(stat["nr_throttled"]) > 0  # the kernel held it to the quota (v1 and v2 both count throttled periods)
 
@@ -83,6 +91,15 @@ def test_budgets_that_cannot_hold_stop_with_an_error_naming_the_setting(tmp_path
     with pytest.raises(BudgetError, match=ROOT_ENV):
         place_self()
     assert group_name([1, 0]) == "gpu0+1" and group_name([]) == "host"
+
+
+def test_busy_between_interpolates_the_usage_samples_over_any_window():
+    samples = [(10.0, {"gpu0": 0.0, "host": 1.0}), (12.0, {"gpu0": 1.0, "host": 1.0}), (14.0, {"gpu0": 1.0, "host": 3.0})]
+    budgets = {"gpu0": 0.5, "host": 1.0}
+    assert busy_between(samples, budgets, 10.0, 12.0) == {"gpu0": 1.0, "host": 0.0}
+    assert busy_between(samples, budgets, 11.0, 13.0) == {"gpu0": 0.5, "host": 0.5}  # half a sample interval each
+    assert busy_between(samples, budgets, 12.0, 14.0)["gpu0"] == 0.0
+    assert busy_between(samples, budgets, 13.0, 13.0) == {} and busy_between([], budgets, 0.0, 1.0) == {}
 
 
 def test_auto_budgets_ask_whether_groups_can_be_made_and_leave_none_behind(monkeypatch):

@@ -77,6 +77,10 @@ def test_every_worker_computes_in_its_fake_gpus_budget_and_the_job_reports_how_b
     busy = run.device_busy
     assert busy is not None and set(busy) == {"gpu0", "host"}, busy
     assert 0.05 < busy["gpu0"] <= 1.1 and 0 < busy["host"] <= 1.1, busy  # never past its budget
+    # the usage sampled every second while the job ran: the benchmark takes busy fractions over its own clock
+    assert len(run.usage_samples) > 10 and run.budgets["gpu0"] == pytest.approx(0.8), run.budgets
+    gpu0 = [u["gpu0"] for _, u in run.usage_samples if "gpu0" in u]
+    assert gpu0 == sorted(gpu0) and gpu0[-1] > 0
     summary = re.search(r"verl-tide device budgets in (\S+) .*gpu0 0\.80 cores busy \d+%.*host 0\.60 cores", run.output)
     assert summary, run.output[-2000:]
     h = find_hierarchy()

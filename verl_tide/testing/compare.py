@@ -241,10 +241,28 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     result = {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
               "episodes_started": health["started"], "episodes_ended": health["ended"]}
     if run.device_busy is not None:  # device budgets: each fake GPU's (and the host's) usage / budget
-        result["device_busy"] = {g: round(b, 4) for g, b in run.device_busy.items()}
+        result.update(device_busy_on_clock(run.usage_samples or [], run.budgets or {}, health["first_start_unix"],
+                                           summary["wall_s"]))
+        result["device_busy_job"] = {g: round(b, 4) for g, b in run.device_busy.items()}
     if poller is not None:
         result["timeline"] = run_timeline(lines, health["first_start_unix"], summary["wall_s"], poller.samples)
     return result
+
+
+def device_busy_on_clock(samples: list, budgets: dict[str, float], first_request_unix: float, wall_s: float,
+                         bin_s: float = 5.0) -> dict:
+    """Each fake GPU's (and the host's) busy fraction over the benchmark's clock (first /start to the last step
+    line; the start-up left out), and the same per `bin_s` of it: the test bed's GPU utilisation and its timeline."""
+    from verl_tide.testing.device_budgets import busy_between
+
+    end = first_request_unix + wall_s
+    edges = [first_request_unix + i * bin_s for i in range(int(wall_s // bin_s) + 1)] + [end]
+    edges = sorted(set(edges))
+    return {"device_busy": {g: round(b, 4) for g, b in busy_between(samples, budgets, first_request_unix,
+                                                                      end).items()},
+            "device_timeline": {"bin_s": bin_s, "t_s": [round(t0 - first_request_unix, 2) for t0 in edges[:-1]],
+                                "busy": [{g: round(f, 3) for g, f in busy_between(samples, budgets, t0, t1).items()}
+                                         for t0, t1 in zip(edges, edges[1:])]}}
 
 
 def missing_steps(steps: dict[int, dict], expected: int) -> str | None:
@@ -348,7 +366,8 @@ def over_repeats(runs: list[dict]) -> dict:
             "pooled": f"mean of {len(runs)} round(s)", "goodput_runs": goodputs, "goodput_min": min(goodputs),
             "goodput_max": max(goodputs), "goodput_after_step1_runs": later,
             "startup_runs_s": [r["startup_s"] for r in runs],
-            **({"device_busy_runs": [r.get("device_busy") for r in runs]} if nearest.get("device_busy") else {})}
+            **({"device_busy_runs": [r.get("device_busy") for r in runs],
+                "device_busy_job_runs": [r.get("device_busy_job") for r in runs]} if nearest.get("device_busy") else {})}
 
 
 def best_stock(results: dict[str, dict]) -> tuple[str, float]:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -314,6 +315,65 @@ def n_gpus_of(overrides: list[str]) -> int:
             return int(value)
     raise BudgetError(f"{BUDGET_ENV} is set but the job names no `+ray_kwargs.ray_init.num_gpus`: the fake GPUs to "
                       "budget are unknown")
+
+
+@dataclass
+class UsageSampler:
+    """Each group's CPU usage every `interval_s` while a job runs (a thread of the launcher), so busy fractions can
+    be taken over any window of the job (the benchmark's clock, not its start-up) and laid out as a timeline."""
+
+    jb: JobBudgets
+    interval_s: float = 1.0
+    samples: list = field(default_factory=list)  # (unix time, {group: CPU seconds used so far})
+    budgets: dict = field(default_factory=dict)  # group -> cores
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: Optional[threading.Thread] = None
+
+    def start(self) -> "UsageSampler":
+        self._thread = threading.Thread(target=self._run, name="tide-usage-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample(self) -> None:
+        usage = {}
+        for g in self.jb.groups():
+            try:
+                usage[g] = self.jb.usage_s(g)
+                self.budgets.setdefault(g, self.jb.budget_cores(g))
+            except (OSError, ValueError, KeyError):
+                pass  # a group made or removed between the listing and the read
+        self.samples.append((time.time(), usage))
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.sample()
+
+
+def busy_between(samples: list, budgets: dict[str, float], t0: float, t1: float) -> dict[str, float]:
+    """Each group's CPU use from `t0` to `t1` (usage interpolated between the samples around each) over its budget
+    for that time; a group first seen after `t0` counts from zero."""
+    if t1 <= t0 or not samples:
+        return {}
+
+    def at(t: float, g: str) -> float:
+        before = [(ts, u[g]) for ts, u in samples if g in u and ts <= t]
+        after = [(ts, u[g]) for ts, u in samples if g in u and ts >= t]
+        if not before:
+            return 0.0 if not after or after[0][0] > t else after[0][1]
+        if not after:
+            return before[-1][1]
+        (ta, ua), (tb, ub) = before[-1], after[0]
+        return ua if tb == ta else ua + (ub - ua) * (t - ta) / (tb - ta)
+
+    return {g: (at(t1, g) - at(t0, g)) / (budgets[g] * (t1 - t0)) for g in sorted(budgets) if budgets[g] > 0}
 
 
 def summary(busy: dict[str, float], jb: JobBudgets) -> str:

@@ -166,6 +166,8 @@ class RunResult:
     output: str
     seconds: float
     device_busy: Optional[dict[str, float]] = None  # with device budgets: each group's usage / budget over the job
+    usage_samples: Optional[list] = None  # with device budgets: (unix time, {group: CPU s used}) every second
+    budgets: Optional[dict[str, float]] = None  # with device budgets: each group's cores
 
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
@@ -191,14 +193,20 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
             for pid in host_pids:
                 jb.place(pid, [])
             before = {g: jb.usage_s(g) for g in jb.groups()}
-            result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd, timeout_s,
-                                   log_path, on_line, preexec=lambda: jb.place(os.getpid(), []), module=module)
+            sampler = device_budgets.UsageSampler(jb).start()
+            try:
+                result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd,
+                                       timeout_s, log_path, on_line, preexec=lambda: jb.place(os.getpid(), []),
+                                       module=module)
+            finally:
+                sampler.stop()
             busy = jb.busy_fractions(before, result.seconds)
             line = device_budgets.summary(busy, jb)
             if log_path:
                 with open(log_path, "a") as log:
                     log.write(line + "\n")
-            return RunResult(result.returncode, result.output + line + "\n", result.seconds, busy)
+            return RunResult(result.returncode, result.output + line + "\n", result.seconds, busy,
+                             sampler.samples, dict(sampler.budgets))
         finally:
             jb.remove()
 
