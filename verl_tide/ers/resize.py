@@ -116,6 +116,18 @@ class TrainerResizer:
         return max((a for a in rates if a < best), default=0), min((a for a in rates if a > best),
                                                                    default=float("inf"))
 
+    def _overruled_by_the_run(self, target: tuple[int, float, str], a0: int) -> tuple[int, float, str]:
+        """The model's (target, gain, why) where the measured splits say otherwise: stay at a split measured worse
+        than the best -> the best; a move past the best -> stop at the best; a move to a split that ran -> its
+        measured gain."""
+        best_run, (to, gain, why) = self.best_measured(), target
+        if best_run is not None and best_run != a0 and (to == a0 or min(a0, to) < best_run < max(a0, to)):
+            to, why = best_run, f"{why}; {best_run} GPU(s) measured best" + ("" if to == a0 else f" on the way to {to}")
+        if to != a0 and self.measured_rate(to) and self.measured_rate(a0):
+            gain = self.measured_rate(to) / self.measured_rate(a0) - 1  # both ran: trust the run
+            why = f"{why}; measured {gain:+.0%} at {to}"
+        return to, gain, why
+
     def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_cycle: bool = False) -> ResizeDecision:
         a0 = inputs.actor_gpus
         self._since_move += 1
@@ -123,16 +135,8 @@ class TrainerResizer:
             self._measured[a0] = [*self._measured.get(a0, []), inputs.batch / signals.cycle_s][-self.memory:]
         # an evaluation starves the trainer by design: its cycle says nothing
         target = None if eval_cycle else target_split(signals, inputs, self.bracket())
-        best_run = self.best_measured()
-        if target is not None and target[0] == a0 and best_run not in (None, a0) and self.measured_rate(a0):
-            # the model would stay where the run measured less than at another split: the run decides
-            target = (best_run, 0.0, f"{target[2]}; {best_run} GPU(s) measured best")
-        if target is not None and best_run is not None and min(a0, target[0]) < best_run < max(a0, target[0]):
-            # past the best split run so far: go back to it first, the search goes on from there
-            target = (best_run, target[1], f"{target[2]}; {best_run} GPU(s) measured best on the way to {target[0]}")
-        if target is not None and target[0] != a0 and self.measured_rate(target[0]) and self.measured_rate(a0):
-            measured_gain = self.measured_rate(target[0]) / self.measured_rate(a0) - 1  # both ran: trust the run
-            target = (target[0], measured_gain, f"{target[2]}; measured {measured_gain:+.0%} at {target[0]}")
+        if target is not None:
+            target = self._overruled_by_the_run(target, a0)
         wanted = target[0] if target is not None and target[1] >= self.min_gain and target[0] != a0 else None
         self._recent = [*self._recent, wanted][-self.window:]
         if target is None:
