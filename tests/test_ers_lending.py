@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from verl_tide.core.config import ERSConfig, RA2PConfig
 from verl_tide.boundary.planner import BoundaryInputs, BoundaryPlanner
 from verl_tide.core.readiness import ReadinessSignals
-from verl_tide.ers.lending import LendingInputs, decide, return_threshold
+from verl_tide.ers.lending import LendingInputs, LendingRecord, decide, return_threshold
 from verl_tide.ers.policy import Phase, Role
 
 
@@ -79,10 +79,10 @@ def test_bad_inputs_name_the_field():
         inputs(g=0)
 
 
-def _signals(tprm):
+def _signals(tprm, cycle_s=None, kv_bound=None):
     return ReadinessSignals(ready_at_start=0, time_per_ready_microbatch=tprm, tprm_smoothed=tprm, hol_latency=0.0,
                             ready_volume=0, mean_step_time=10.0, generation_deficit=True, consumption_deficit=False,
-                            rollout_wait_s=0.0, trainer_wait_s=5.0)
+                            rollout_wait_s=0.0, trainer_wait_s=5.0, rollout_kv_bound=kv_bound, cycle_s=cycle_s)
 
 
 def test_the_planner_decides_lending_from_the_signals_tprm_and_records_it_in_the_summary():
@@ -94,7 +94,8 @@ def test_the_planner_decides_lending_from_the_signals_tprm_and_records_it_in_the
     lend_in = inputs(ready=0, cost=2.0)
     decided = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": lend_in}), lambda be: _signals(1.5),
                              {0: Role.ROLLOUT})
-    assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5) and decided.lend.lend  # 3 s > 2 s, saturation unknown
+    # 3 s > 2 s, saturation unknown; nothing measured yet, so a lend is tried first
+    assert decided.lend == decide(lend_in, Phase.TRAIN, 1.5, record=LendingRecord()) and decided.lend.lend
     assert decided.summary()["lend"] == (True, decided.lend.return_at_units, decided.lend.reason)
     evaluation = planner.decide(BoundaryInputs(**{**base.__dict__, "lending": inputs(ready=1, cost=2.0)}),
                                 lambda be: _signals(0.1), {0: Role.ROLLOUT}, phase=Phase.EVAL)
@@ -113,3 +114,69 @@ def test_the_hybrid_switch_hooks_lending_relies_on_exist_in_verl_and_a_missing_o
 
     with pytest.raises(VerlChanged, match=r"_init_hybrid_rollout_state .*verl 0\.9\.1"):
         check_hybrid_switch_hooks(Renamed)
+
+
+def test_each_answer_is_tried_then_the_measured_step_cycles_decide_over_the_model():
+    """The model (no KV wait: more GPUs would not help) says keep; a compute-bound rollout (the CPU test bed's
+    fake GPUs) does get faster. Keeps are tried first (the model's answer), then lends, then the shorter measured
+    cycles win: here the lent ones, against the model."""
+    record = LendingRecord(trials=2)
+    answers = []
+    for cycle_after_lend, cycle_after_keep in [(None, None)] + [(2.0, 3.0)] * 6:
+        if answers:  # the cycle the last answer started ends
+            record.cycle_ended(cycle_after_lend if answers[-1].lend else cycle_after_keep)
+        d = decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0, rollout_kv_bound=0.0, kv_bound_min=0.25,
+                   record=record)
+        record.answered(d)
+        answers.append(d)
+    assert [d.lend for d in answers] == [False, False, True, True, True, True, True], [d.reason for d in answers]
+    assert "trying a keep (0 of 2" in answers[0].reason and "the model: keep" in answers[0].reason
+    assert "trying a lend (0 of 2" in answers[2].reason
+    assert answers[4].lent_cycle_s == 2.0 and answers[4].kept_cycle_s == 3.0
+    assert "2.00s after a lend vs 3.00s after a keep: lend" in answers[4].reason
+    # the other way round: lent cycles measured longer (the switch costs more than the rollout gains): keep
+    record = LendingRecord(trials=1, lent=[4.0], kept=[3.0])
+    d = decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0, rollout_kv_bound=0.9, kv_bound_min=0.25, record=record)
+    assert not d.lend and "keep" in d.reason.split(":")[-1], d
+
+
+def test_only_real_questions_are_measured_and_the_window_keeps_the_last_cycles():
+    record = LendingRecord(trials=1, window=2)
+    settled = decide(inputs(ready=0, cost=10.0), Phase.TRAIN, 1.0, record=record)  # 2 s wait <= 10 s switch
+    assert not settled.lend and not settled.question
+    record.answered(settled)
+    record.cycle_ended(50.0)  # not counted: the switch settled it, whatever the measurement
+    for d in (decide(inputs(ready=2), Phase.TRAIN, 1.0, record=record),  # a mini-batch ready
+              decide(inputs(ready=0), Phase.EVAL, 1.0, record=record), decide(inputs(last=True), Phase.TRAIN, 1.0)):
+        assert not d.question
+        record.answered(d)
+        record.cycle_ended(50.0)
+    assert record.lent == [] and record.kept == []
+    for cycle in (1.0, 2.0, 3.0):
+        record.answered(decide(inputs(ready=0, cost=None), Phase.TRAIN, 1.0, record=LendingRecord(trials=0)))
+        record.cycle_ended(cycle)
+    assert record.lent == [2.0, 3.0] and record.mean(True) == 2.5 and record.mean(False) is None
+    # trials = 0: the model alone, as before the record existed
+    assert decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0, rollout_kv_bound=0.0, kv_bound_min=0.25,
+                  record=LendingRecord(trials=0)) == decide(inputs(ready=0, cost=1.0), Phase.TRAIN, 5.0,
+                                                            rollout_kv_bound=0.0, kv_bound_min=0.25)
+
+
+def test_the_planner_keeps_the_record_across_boundaries_from_the_signals_cycle():
+    """One record, in the planner trainer `tide` and the simulator share: each boundary's signals close the cycle
+    the previous answer started (`cycle_s`), and `tide.ers.lend_trials` sizes the trials."""
+    planner = BoundaryPlanner.build(RA2PConfig(), ERSConfig(lend_trials=1), ideal_batch=8)
+    base = BoundaryInputs(step=3, ready_times=(1.0, 2.0), units_per_mini_batch=2, step_tokens=100.0, rates=None,
+                          actor_ranks=1, uses_ref=False, lending=inputs(ready=0, cost=1.0))
+    lends = []
+    for step, cycle in enumerate([None, 5.0, 2.0, 2.0, 2.0], start=3):
+        d = planner.decide(BoundaryInputs(**{**base.__dict__, "step": step}), lambda be: _signals(2.0, cycle, 0.0),
+                           {0: Role.ROLLOUT})
+        lends.append(d.lend.lend)
+    # keep tried (the model's answer: no KV wait), 5 s; lend tried, 2 s; from then on the measurement: lend
+    assert lends == [False, True, True, True, True], lends
+    assert planner.lend_record.kept == [5.0] and planner.lend_record.lent == [2.0, 2.0, 2.0]
+    from verl_tide.core.config import TideConfigError, parse_tide_config
+
+    with pytest.raises(TideConfigError, match=r"tide\.ers\.lend_trials.*>= 0"):
+        parse_tide_config({"ers": {"lend_trials": -1}})

@@ -26,7 +26,7 @@ from verl_tide.core.config import CTBConfig, ERSConfig, RA2PConfig
 from verl_tide.core.readiness import ReadinessSignals, mini_batch_ready_times
 from verl_tide.ctb.window import BudgetDecision, BudgetInputs, BudgetWindow
 from verl_tide.ers import lending
-from verl_tide.ers.lending import LendDecision, LendingInputs
+from verl_tide.ers.lending import LendDecision, LendingInputs, LendingRecord
 from verl_tide.ers.policy import ERSPolicy, Phase, RefRankOutlook, Role, ScalingPlan
 from verl_tide.ers.resize import ResizeDecision, ResizeInputs, TrainerResizer
 from verl_tide.ra2p.cost import (ModeChoice, RA2PMode, StageTimer, StageTimes, best_split, choose_mode,
@@ -119,6 +119,7 @@ class BoundaryPlanner:
     share: Optional[float] = None  # split mode: the replicas' share of a Ref pass
     window: Optional[BudgetWindow] = None  # CTB's budget factor (None: CTB off; budgets stay at Alg. 1's)
     resizer: TrainerResizer = field(default_factory=TrainerResizer)  # asked only where inputs.resize is given
+    lend_record: LendingRecord = field(default_factory=LendingRecord)  # cycles after each lending answer
     trace: Optional[list] = field(default=None, repr=False)  # set to a list to record (inputs, decision) pairs
 
     @classmethod
@@ -127,7 +128,8 @@ class BoundaryPlanner:
         """The one construction trainer `tide` and the simulator use."""
         window = BudgetWindow(ctb.max_budget_factor, ctb.window_interval_s) if ctb is not None and ctb.enabled \
             else None
-        return cls(ra2p, ERSPolicy(ers, ideal_batch=ideal_batch) if elastic else None, window=window)
+        return cls(ra2p, ERSPolicy(ers, ideal_batch=ideal_batch) if elastic else None, window=window,
+                   lend_record=LendingRecord(ers.lend_trials))
 
     def decide(self, inputs: BoundaryInputs, signals_for: Callable[[Optional[int]], ReadinessSignals],
                roles: Optional[Mapping[int, Role]] = None, phase: Phase = Phase.TRAIN, elastic_ref: bool = True,
@@ -146,9 +148,12 @@ class BoundaryPlanner:
             plan = self.ers.plan(inputs.step, signals, roles, phase=phase, ref_outlook=outlook,
                                  elastic_ref=elastic_ref, ref_floor=ref_floor)
         choice = None if costs is None else self._choose(costs, inputs, replicas_after(inputs.replicas_up, plan))
-        lend = None if inputs.lending is None else lending.decide(
-            inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
-            self.ers.config.lend_kv_bound if self.ers is not None else 0.0)
+        lend = None
+        if inputs.lending is not None:
+            self.lend_record.cycle_ended(signals.cycle_s)
+            lend = lending.decide(inputs.lending, phase, signals.tprm_smoothed, signals.rollout_kv_bound,
+                                  self.ers.config.lend_kv_bound if self.ers is not None else 0.0, self.lend_record)
+            self.lend_record.answered(lend)
         budget = self._budget(inputs.ctb)
         resize = None if inputs.resize is None else self.resizer.decide(signals, inputs.resize, phase is Phase.EVAL)
         decision = BoundaryDecision(self.mode, self.share, choice, break_even, signals, plan, lend, budget, resize)

@@ -17,6 +17,13 @@ verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replic
   goodput by 8% (the Actor waited for ready mini-batches it could have streamed, and the extra replicas made
   trajectories no faster). Unknown rate, cost or saturation: lend (the first switch measures the cost;
   verl's own switch decides the same way).
+- That test is a model of a GPU rollout, and the hardware decides whether it holds: on the CPU test bed's
+  budgeted fake GPUs the rollout was compute-bound, never waited for KV, and the model kept the Actor's GPU
+  idle 60% of the clock while the rollout's ran saturated. So the model only decides until each answer was
+  tried (`tide.ers.lend_trials` step cycles lent and as many kept, the untried answer first, the model's
+  first where both are); from then on the measured step cycles decide: lend when the cycles that followed a
+  lend were shorter on average (the last four each way) than those that followed a keep. A cycle (update to
+  update) holds everything lending changes: the switch both ways, the faster rollout, the Actor's wait.
 - Whether at all (`tide.ers.lend_actor`, `resolve_lend_actor`): by default (`auto`) whenever the job allows it,
   as verl's own `separate_async` builds its hybrid replicas by default; with a Ref model only when asked
   (`true`, beside verl's Ref in its combined actor/rollout/ref worker; never beside tide's Ref replicas);
@@ -31,7 +38,7 @@ Pure Python: no verl, ray or torch.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 from verl_tide.core.config import TideConfigError
@@ -92,6 +99,42 @@ class LendDecision:
     return_at_units: int  # the replica goes back to training once this many units are ready
     expected_wait_s: Optional[float]
     reason: str
+    question: bool = False  # after an update with units missing: the cycle it starts is measured (LendingRecord)
+    lent_cycle_s: Optional[float] = None  # measured mean step cycle after a lend (None: not yet tried enough)
+    kept_cycle_s: Optional[float] = None  # the same after a keep
+
+
+@dataclass
+class LendingRecord:
+    """The step cycles that followed each answer to a lending question, the measurement ERS prefers to its model
+    once each answer was tried `trials` times (the last `window` cycles each way count)."""
+
+    trials: int = 2
+    window: int = 4
+    lent: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+    _running: Optional[bool] = None  # the answer whose cycle runs now (None: not a question)
+
+    def cycle_ended(self, cycle_s: Optional[float]) -> None:
+        """The cycle the last answer started ended, `cycle_s` long (the readiness signals' `cycle_s`)."""
+        if self._running is not None and cycle_s is not None and cycle_s > 0:
+            side = self.lent if self._running else self.kept
+            side.append(float(cycle_s))
+            del side[:-self.window]
+        self._running = None
+
+    def answered(self, decision: LendDecision) -> None:
+        self._running = decision.lend if decision.question else None
+
+    def mean(self, lent: bool) -> Optional[float]:
+        """Mean cycle after that answer; None until it was tried `trials` times."""
+        side = self.lent if lent else self.kept
+        return sum(side) / len(side) if self.trials > 0 and len(side) >= self.trials else None
+
+    def untried(self, first: bool) -> Optional[bool]:
+        """The answer still to try (`first` where both are), None when both were tried `trials` times."""
+        short = [a for a in (first, not first) if len(self.lent if a else self.kept) < self.trials]
+        return short[0] if short else None
 
 
 def return_threshold(inputs: LendingInputs, seconds_per_unit: Optional[float]) -> int:
@@ -105,9 +148,11 @@ def return_threshold(inputs: LendingInputs, seconds_per_unit: Optional[float]) -
 
 
 def decide(inputs: LendingInputs, phase: Phase, seconds_per_unit: Optional[float],
-           rollout_kv_bound: Optional[float] = None, kv_bound_min: float = 0.0) -> LendDecision:
+           rollout_kv_bound: Optional[float] = None, kv_bound_min: float = 0.0,
+           record: Optional[LendingRecord] = None) -> LendDecision:
     """Whether the Actor's replica rolls out from this boundary until `return_at_units` are ready.
-    `rollout_kv_bound`: the readiness signal (None: not measured)."""
+    `rollout_kv_bound`: the readiness signal (None: not measured). `record`: the measured cycles after earlier
+    answers (None: the model alone)."""
     back_at = return_threshold(inputs, seconds_per_unit)
     if inputs.last_step:
         return LendDecision(False, back_at, None, "the last step: nothing to train after it")
@@ -116,15 +161,35 @@ def decide(inputs: LendingInputs, phase: Phase, seconds_per_unit: Optional[float
         return LendDecision(False, back_at, 0.0, f"{inputs.ready_units} units ready: a mini-batch can train")
     if phase is not Phase.TRAIN:
         return LendDecision(True, back_at, None, f"{phase.value}: generation dominates, lend preemptively")
+    model = _model(inputs, seconds_per_unit, rollout_kv_bound, kv_bound_min, missing, back_at)
+    if not model.question or record is None or record.trials == 0:
+        return model
+    lent_s, kept_s = record.mean(True), record.mean(False)
+    model = replace(model, lent_cycle_s=lent_s, kept_cycle_s=kept_s)
+    if lent_s is not None and kept_s is not None:
+        lend = lent_s < kept_s
+        return replace(model, lend=lend, reason=f"measured step cycles {lent_s:.2f}s after a lend vs {kept_s:.2f}s "
+                                                f"after a keep: {'lend' if lend else 'keep'}")
+    todo = record.untried(first=model.lend)
+    tried = len(record.lent if todo else record.kept)
+    return replace(model, lend=todo, reason=f"trying {'a lend' if todo else 'a keep'} ({tried} of {record.trials} "
+                                            f"cycles measured) before the measurement decides; the model: "
+                                            f"{'lend' if model.lend else 'keep'}, {model.reason}")
+
+
+def _model(inputs: LendingInputs, seconds_per_unit: Optional[float], rollout_kv_bound: Optional[float],
+           kv_bound_min: float, missing: int, back_at: int) -> LendDecision:
+    """The model's answer after an update. A wait the measured switch would not repay settles it (keep, not a
+    question for the measurement); otherwise the answer is whether more GPUs would speed the rollout up."""
     if seconds_per_unit is None:
-        return LendDecision(True, back_at, None, f"{missing} units missing, no arrival rate measured yet")
+        return LendDecision(True, back_at, None, f"{missing} units missing, no arrival rate measured yet", True)
     wait = missing * seconds_per_unit
+    if inputs.switch_cost_s is not None and wait <= inputs.switch_cost_s:
+        return LendDecision(False, back_at, wait, f"expected wait {wait:.2f}s <= switch {inputs.switch_cost_s:.2f}s")
     if rollout_kv_bound is not None and rollout_kv_bound < kv_bound_min:
         return LendDecision(False, back_at, wait, f"expected wait {wait:.2f}s, but the rollout waited for KV "
                                                   f"{rollout_kv_bound:.0%} < {kv_bound_min:.0%} of its time: more "
-                                                  "GPUs would not make it faster")
+                                                  "GPUs would not make it faster", True)
     if inputs.switch_cost_s is None:
-        return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s, switch cost not measured yet")
-    if wait > inputs.switch_cost_s:
-        return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s > switch {inputs.switch_cost_s:.2f}s")
-    return LendDecision(False, back_at, wait, f"expected wait {wait:.2f}s <= switch {inputs.switch_cost_s:.2f}s")
+        return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s, switch cost not measured yet", True)
+    return LendDecision(True, back_at, wait, f"expected wait {wait:.2f}s > switch {inputs.switch_cost_s:.2f}s", True)

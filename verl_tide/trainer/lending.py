@@ -77,4 +77,7 @@ def decision_metrics(lend: LendDecision) -> dict[str, float]:
          "separate_async/decision/should_switch_to_rollout": float(lend.lend)}
     if lend.expected_wait_s is not None:
         m["tide/ers/lend_expected_wait_s"] = float(lend.expected_wait_s)
+    for name, value in (("lend_cycle_lent_s", lend.lent_cycle_s), ("lend_cycle_kept_s", lend.kept_cycle_s)):
+        if value is not None:  # the measured step cycles after each answer (ers/lending.py: LendingRecord)
+            m[f"tide/ers/{name}"] = float(value)
     return m
