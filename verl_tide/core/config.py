@@ -145,10 +145,10 @@ class ERSConfig:
                                       "budget at least this share of its working time (more GPUs would have run "
                                       "that work; 0: whenever the wait pays for the switch)"))
     lend_trials: int = field(
-        default=2, metadata=_check(lambda x: x >= 0, ">= 0",
-                                   "after an update, step cycles ERS measures each way (the Actor's GPUs lent, "
-                                   "kept) before the measured cycle times decide lending rather than the model "
-                                   "(lend_kv_bound); 0: the model alone"))
+        default=0, metadata=_check(lambda x: x >= 0, ">= 0",
+                                   "after an update, step cycles ERS tries each way (the Actor's GPUs lent, kept; "
+                                   "alternating) before the measured cycle times decide lending instead of the "
+                                   "model (lend_kv_bound); 0: the model alone"))
     tau: float = field(
         default=1.0,
         metadata=_check(lambda x: x > 0, "> 0", "head-of-line threshold as a multiple of the mean step time"),

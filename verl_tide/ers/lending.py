@@ -17,13 +17,13 @@ verl's hybrid switch (`trainer/lending.py`), the simulator to its modeled replic
   goodput by 8% (the Actor waited for ready mini-batches it could have streamed, and the extra replicas made
   trajectories no faster). Unknown rate, cost or saturation: lend (the first switch measures the cost;
   verl's own switch decides the same way).
-- That test is a model of a GPU rollout, and the hardware decides whether it holds: on the CPU test bed's
-  budgeted fake GPUs the rollout was compute-bound, never waited for KV, and the model kept the Actor's GPU
-  idle 60% of the clock while the rollout's ran saturated. So the model only decides until each answer was
-  tried (`tide.ers.lend_trials` step cycles lent and as many kept, the untried answer first, the model's
-  first where both are); from then on the measured step cycles decide: lend when the cycles that followed a
-  lend were shorter on average (the last four each way) than those that followed a keep. A cycle (update to
-  update) holds everything lending changes: the switch both ways, the faster rollout, the Actor's wait.
+- That test is a model of a GPU rollout, and the hardware decides whether it holds. With
+  `tide.ers.lend_trials` = N > 0 the model decides only until each answer was tried N step cycles (lent,
+  kept, alternating, the model's answer first); then the measured cycles decide: lend when those that followed
+  a lend were shorter on average (the last four each way) than those that followed a keep. A cycle (update to
+  update) holds everything lending changes: the switch both ways, the faster rollout, the Actor's wait. Off by
+  default: on the CPU test bed's budgeted fake GPUs the trials measured lending after updates as a loss (the
+  model's answer there, for another reason: the switch), and in the simulator they cost up to 1% (docs/ers.md).
 - Whether at all (`tide.ers.lend_actor`, `resolve_lend_actor`): by default (`auto`) whenever the job allows it,
   as verl's own `separate_async` builds its hybrid replicas by default; with a Ref model only when asked
   (`true`, beside verl's Ref in its combined actor/rollout/ref worker; never beside tide's Ref replicas);
@@ -132,9 +132,13 @@ class LendingRecord:
         return sum(side) / len(side) if self.trials > 0 and len(side) >= self.trials else None
 
     def untried(self, first: bool) -> Optional[bool]:
-        """The answer still to try (`first` where both are), None when both were tried `trials` times."""
-        short = [a for a in (first, not first) if len(self.lent if a else self.kept) < self.trials]
-        return short[0] if short else None
+        """The answer to try next: the one tried fewer times (`first` on a tie), so the trials alternate and a
+        trend over the run (a cold start settling) does not fall on one answer; None once both were tried
+        `trials` times."""
+        counts = {True: len(self.lent), False: len(self.kept)}
+        if min(counts.values()) >= self.trials:
+            return None
+        return first if counts[first] <= counts[not first] else not first
 
 
 def return_threshold(inputs: LendingInputs, seconds_per_unit: Optional[float]) -> int:
