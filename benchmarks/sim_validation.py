@@ -47,6 +47,11 @@ def specs(gpus: int, rollout_gpus: int) -> dict[str, SystemSpec | None]:
                                                                     **switch),
         f"what-if: verl separate_async {split} + hybrid switch, 0.2 s poll": SystemSpec(
             "separate_async_switch_poll02", rollout_ratio=ratio, **{**switch, "poll_s": 0.2}),
+        # verl's own fully_async trainer, its dynamic schedule's `default` policy lending the trainer's hybrid
+        # replicas, the weights synced after every step (the head-to-head's trigger_parameter_sync_step=1)
+        f"verl fully_async {split} + dynamic schedule": SystemSpec(
+            "fully_async_dynamic", rollout_ratio=ratio,
+            **{**STOCK_SYSTEMS["verl_fully_async_dynamic"], "parameter_sync_step": 1}),
         # `+tide=enabled` on the demo job: no Ref model, so the Actor's GPU is lent (tide.ers.lend_actor=auto)
         "tide": SystemSpec("tide", rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
                            elastic=True, lend_actor=True),

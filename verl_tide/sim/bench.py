@@ -85,7 +85,7 @@ def oracle_goodput(w: Workload, gpus: int, hw: Hardware = Hardware(), samples: i
 
 def _decode_s_per_token(c: Costs, ctx: float) -> float:
     batch = max(1.0, c.kv_capacity_tokens / max(ctx, 1.0))
-    return (c.decode_weight_s + c.decode_kv_s_per_token * ctx * batch) / batch
+    return (c.decode_weight_s + (c.decode_kv_s_per_token * ctx + c.decode_seq_s) * batch) / batch
 
 
 # The paper's only component breakdown (Table 2: OSWorld, Qwen3-VL-4B, first 10 steps, k tokens/s), cumulative.

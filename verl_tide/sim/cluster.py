@@ -61,7 +61,7 @@ class Simulation:
         self.rng = random.Random(seed)
         self.progress = progress
         self.B = workload.groups_for(gpus) * workload.group_size
-        self.t = 0.0
+        self.t = self.costs.start_s  # the clock runs from the first request; nothing is served before start_s
         self.consumed_steps = 0
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0

@@ -104,7 +104,8 @@ class RolloutRank:
                 used = budget
         done: list[Request] = []
         if self.decoding and used < budget:
-            iteration = self.costs.decode_weight_s + self.costs.decode_kv_s_per_token * self.running_context
+            iteration = (self.costs.decode_weight_s + self.costs.decode_kv_s_per_token * self.running_context
+                         + self.costs.decode_seq_s * len(self.decoding))
             self.progress += (budget - used) / iteration
             used = budget
             while self.decoding and self.decoding[0][0] <= self.progress:

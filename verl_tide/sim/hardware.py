@@ -81,6 +81,14 @@ class Costs:
     # and a turn's round trip to the engine outside its prefill and decode (HTTP, tokenisation, scheduling)
     step_overhead_s: float = 0.0
     request_overhead_s: float = 0.0
+    # seconds per decode iteration per running sequence, apart from its context: sampling and the engine's
+    # per-request output path (detokenising, streaming); measured on the test bed, where vLLM-CPU's server shares
+    # the fake GPU's budget, 0 in the GPU profiles (the data sheets' terms are weights and KV reads)
+    decode_seq_s: float = 0.0
+    # seconds from a job's first request until its engines serve at their steady rate: the test bed's lazy start
+    # inside step 1 (first batch shapes, the agent loop's first calls), measured as a `sync` job's first step less
+    # its steady one; 0 in the GPU profiles (vLLM captures its graphs before it serves)
+    start_s: float = 0.0
 
     def resize_s(self, actor_gpus: int) -> float:
         """One resize of the Actor's group from `actor_gpus` GPUs: each GPU's state shard out and back in."""
@@ -135,9 +143,42 @@ class Costs:
         return self.ref_s_per_token + self.act_f_s_per_token + self.act_b_s_per_token
 
 
+def fit_decode_iteration(points: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """(decode_weight_s, decode_seq_s, decode_kv_s_per_token) from measured decode iterations, each point
+    (running sequences, running context tokens, seconds per iteration): least squares on
+    `iteration = weight + seq x sequences + kv x context`. The points must vary the context at a fixed batch as
+    well as the batch (with one prompt length the two terms cannot be told apart); a term that fits below zero
+    is dropped and the other refitted."""
+    def solve(cols: list[int]) -> list[float]:
+        rows = [[1.0, p[0], p[1]] for p in points]
+        a = [[sum(r[i] * r[j] for r in rows) for j in [0, *cols]] for i in [0, *cols]]
+        b = [sum(r[i] * p[2] for r, p in zip(rows, points)) for i in [0, *cols]]
+        n = len(a)
+        for c in range(n):  # Gauss-Jordan with partial pivoting
+            piv = max(range(c, n), key=lambda r: abs(a[r][c]))
+            if abs(a[piv][c]) < 1e-18:
+                raise ValueError(f"fit_decode_iteration: points {points} do not determine the terms")
+            a[c], a[piv], b[c], b[piv] = a[piv], a[c], b[piv], b[c]
+            for r in range(n):
+                if r != c:
+                    f = a[r][c] / a[c][c]
+                    a[r] = [x - f * y for x, y in zip(a[r], a[c])]
+                    b[r] -= f * b[c]
+        return [b[i] / a[i][i] for i in range(n)]
+
+    if len(points) < 3:
+        raise ValueError(f"fit_decode_iteration: {len(points)} points, needs at least 3")
+    w, seq, kv = solve([1, 2])
+    if seq < 0:
+        (w, kv), seq = solve([2]), 0.0
+    elif kv < 0:
+        (w, seq), kv = solve([1]), 0.0
+    return max(w, 1e-6), max(seq, 0.0), max(kv, 0.0)
+
+
 PROFILE_RATES = tuple(f.name for f in fields(Costs) if f.name not in (
     "weight_bytes", "kv_bytes_per_token", "state_bytes", "pcie_bytes_s", "resize_overhead_s"))
-OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s")
+OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s", "decode_seq_s", "start_s")
 
 
 def profile_names() -> list[str]:
