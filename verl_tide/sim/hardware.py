@@ -89,6 +89,18 @@ class Costs:
     # inside step 1 (first batch shapes, the agent loop's first calls), measured as a `sync` job's first step less
     # its steady one; 0 in the GPU profiles (vLLM captures its graphs before it serves)
     start_s: float = 0.0
+    # verl's hybrid replica on the trainer's GPUs lent to rollout or taken back, each way (None: `switch_s`). Apart
+    # on the test bed, where a `sync` job's phase switch lies inside the verl timers its profile is read from
+    hybrid_switch_s: Optional[float] = None
+    # the Actor's passes in a step that begins with the replica taken back, beyond a step that does not (on the
+    # test bed the slept replica's engine keeps spinning on the shared budget); not in verl's switch timers, so
+    # not in the cost verl's switch rule and ERS weigh; 0 in the GPU profiles
+    actor_after_switch_s: float = 0.0
+
+    @property
+    def lend_switch_s(self) -> float:
+        """One way of the hybrid replica's switch (separate_async's, fully_async's, ERS's lending)."""
+        return self.switch_s if self.hybrid_switch_s is None else self.hybrid_switch_s
 
     def resize_s(self, actor_gpus: int) -> float:
         """One resize of the Actor's group from `actor_gpus` GPUs: each GPU's state shard out and back in."""
@@ -178,7 +190,8 @@ def fit_decode_iteration(points: list[tuple[float, float, float]]) -> tuple[floa
 
 PROFILE_RATES = tuple(f.name for f in fields(Costs) if f.name not in (
     "weight_bytes", "kv_bytes_per_token", "state_bytes", "pcie_bytes_s", "resize_overhead_s"))
-OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s", "decode_seq_s", "start_s")
+OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s", "decode_seq_s", "start_s", "hybrid_switch_s",
+                  "actor_after_switch_s")
 
 
 def profile_names() -> list[str]:

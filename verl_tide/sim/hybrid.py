@@ -27,7 +27,7 @@ class HybridReplicas:
     def set(self, sim: Simulation, wake: bool, switch_s: Optional[float] = None) -> None:
         """`switch_s`: the switch to rollout (none at job start: verl's hybrid engine comes up in rollout mode)."""
         if wake:
-            switch = sim.costs.switch_s if switch_s is None else switch_s
+            switch = sim.costs.lend_switch_s if switch_s is None else switch_s
             for r in self.ranks:
                 sim.rollout.add_rank(r, sim.t + switch, colocated=True)
             self.since = sim.t + switch
