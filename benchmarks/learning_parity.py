@@ -4,6 +4,7 @@ the same reward.
 
     python benchmarks/learning_parity.py --steps 30 --seeds 3 --workdir outputs/parity \
         --json benchmarks/results/learning_parity_cpu.json
+    python benchmarks/learning_parity.py --device-budgets 0.5 --host-cores 1.0 ...   # fake GPUs that idle like GPUs
 
 The task: the demo's job (tiny model, 2 fake GPUs, 4 prompts x 2, staleness bound 1, weight sync every step) on
 `tiny_learn`, the guessing game (1 to a million: no lucky guesses) where each turn scores its answer's share of
@@ -22,6 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from e2e_compare import budgets_asked, device_budgets_env  # noqa: E402
 
 from verl_tide.env.envs import LEARN_HIGH
 from verl_tide.testing.compare import run_order, run_system, systems
@@ -91,12 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None, help="PNG (default: next to --json, else in --workdir)")
     ap.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
+    ap.add_argument("--margin-share", type=float, default=0.25,
+                    help="the equivalence margin: this share of the reference's gain from the start reward")
+    ap.add_argument("--device-budgets", default=None, metavar="CORES",
+                    help="fake GPUs that idle like GPUs, as e2e_compare.py's: cores per fake GPU, 'auto' or 'none'")
+    ap.add_argument("--host-cores", type=float, default=None, help="with --device-budgets: the host side's quota")
     ap.add_argument("--reuse", default=None, metavar="JSON",
                     help="an earlier run's JSON: its runs of the systems not re-run here join the comparison "
                          "(their date is kept in the output; e.g. --systems tide --reuse "
                          "benchmarks/results/learning_parity_cpu.json re-runs tide only)")
     args = ap.parse_args(argv)
 
+    budgets = device_budgets_env(*budgets_asked(args.device_budgets, args.host_cores, gpus=2))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_parity_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
     names = args.systems.split(",") if args.systems else ["verl sync", args.stock or default_stock(), "tide"]
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             rewards = " ".join(f"{x:.2f}" for _, _, x in rewards_of(r))
             print(f"[parity] seed {seed}: {name}: {r['wall_s']:.0f} s wall, rewards {rewards}", flush=True)
             runs[name].append(r)
-    summary = parity(runs, reference, target_share=args.target_share)
+    summary = parity(runs, reference, target_share=args.target_share, margin_share=args.margin_share)
 
     print(f"\nreference {reference}; start reward {summary['start_reward']:.3f}, target "
           f"{summary['target_reward']:.3f} ({args.target_share:.0%} of the way to {reference}'s final reward)")
@@ -143,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>36} | {finals:>22} | {s['final_difference_from_reference']:>+7.3f} | "
               f"{str(s['final_within_seed_noise']):>8} | {s['steps_within_seed_noise']:>6}/{s['steps_compared']:<7} | "
               f"{times:>22} | {walls:>14}")
+    print(f"equivalence margin {summary['equivalence_margin']:.3f} ({args.margin_share:.0%} of {reference}'s gain): "
+          + ", ".join(f"{name} {'equivalent' if s['final_equivalent'] else 'not shown equivalent'} "
+                      f"(difference interval {s['final_difference_interval'][0]:+.3f} .. "
+                      f"{s['final_difference_interval'][1]:+.3f})"
+                      for name, s in summary["systems"].items() if name != reference))
     ref_time = summary["systems"][reference]["time_to_target_s_median"]
     for name, s in summary["systems"].items():
         if name != reference and ref_time and s["time_to_target_s_median"]:
@@ -153,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "task": "tiny_learn", "steps": args.steps, "seeds": args.seeds,
         "clock": "first /start to the step's metrics line", "benchmark_s": time.time() - started,
+        "device_budgets": budgets or "none (fake GPUs share the cores)",
         "reused": reused_from or None, **summary, "runs": runs}, indent=2, default=str))
     print(f"[parity] {out}, {png}")
     return 0

@@ -49,3 +49,19 @@ def test_a_system_that_learns_less_is_out_of_seed_noise_and_never_reaches_the_ta
 def test_parity_names_a_missing_reference():
     with pytest.raises(ValueError, match="reference system 'verl sync' has no run"):
         parity({"tide": [_run([0.1], 1.0)]}, "verl sync")
+
+
+def test_equivalence_needs_the_whole_interval_inside_the_margin_not_just_noise():
+    """Two systems that end level are equivalent when the seeds agree; when the seeds scatter, the same mean
+    difference is within seed noise yet not equivalent: noise cannot stand in for parity."""
+    ref = [_run([0.1 * n + d for n in range(10)], 4.0) for d in (0.0, 0.01, -0.01)]
+    tight = [_run([0.1 * n + d for n in range(10)], 2.0) for d in (0.005, -0.005, 0.0)]
+    loose = [_run([0.1 * n + d for n in range(10)], 2.0) for d in (0.4, -0.4, 0.0)]
+    out = parity({"verl sync": ref, "tight": tight, "loose": loose}, "verl sync", last=3, window=1,
+                 margin_share=0.25)
+    assert out["equivalence_margin"] == pytest.approx(0.25 * 0.8)  # a quarter of sync's gain 0 -> 0.8
+    t, lo = out["systems"]["tight"], out["systems"]["loose"]
+    assert t["final_equivalent"] and t["final_within_seed_noise"]
+    assert lo["final_within_seed_noise"] and not lo["final_equivalent"], lo["final_difference_interval"]
+    low, high = lo["final_difference_interval"]
+    assert low < -0.2 < 0.2 < high

@@ -49,21 +49,26 @@ def _se_of_difference(a: list[float], b: list[float]) -> float:
 
 
 def parity(runs: dict[str, list[dict]], reference: str, last: int = 5, window: int = 3,
-           target_share: float = 0.8) -> dict:
+           target_share: float = 0.8, margin_share: float = 0.25) -> dict:
     """Every system's learning against `reference`'s (`runs`: system -> its seeds' runs, each a
     `wall_clock_summary`).
 
     Returns per system: the reward per step over seeds (mean, std), the final reward (mean of the last `last`
     steps) per seed, whether it is within seed noise of the reference's (|difference| <= 2 standard errors),
-    how many steps are, and the wall-clock to the common target per seed and its median."""
+    how many steps are, and the wall-clock to the common target per seed and its median. And the equivalence
+    test: within seed noise only says a difference was not shown (two noisy seeds pass it); equivalent says the
+    difference's interval (mean +- 2 standard errors over seeds) lies inside +- the margin, `margin_share` of
+    the reference's gain from the start reward, so noisy seeds fail it."""
     if reference not in runs or not runs[reference]:
         raise ValueError(f"reference system {reference!r} has no run (systems: {sorted(runs)})")
     start = mean(rewards_of(r)[0][2] for rs in runs.values() for r in rs)
     ref_final = [final_reward(r, last) for r in runs[reference]]
     target = start + target_share * (mean(ref_final) - start)
     ref_by_step = _by_step(runs[reference])
+    margin = margin_share * abs(mean(ref_final) - start)
     out: dict = {"reference": reference, "start_reward": start, "target_reward": target,
-                 "target_share": target_share, "final_steps": last, "moving_average_steps": window, "systems": {}}
+                 "target_share": target_share, "final_steps": last, "moving_average_steps": window,
+                 "equivalence_margin": margin, "equivalence_margin_share": margin_share, "systems": {}}
     for name, rs in runs.items():
         finals = [final_reward(r, last) for r in rs]
         by_step = _by_step(rs)
@@ -73,6 +78,7 @@ def parity(runs: dict[str, list[dict]], reference: str, last: int = 5, window: i
         times = [time_to_reward(r, target, window) for r in rs]
         reached = sorted(t for t in times if t is not None)
         diff = mean(finals) - mean(ref_final)
+        se = _se_of_difference(finals, ref_final)
         out["systems"][name] = {
             "seeds": len(rs),
             "reward_mean_by_step": {n: mean(v) for n, v in by_step.items()},
@@ -80,7 +86,9 @@ def parity(runs: dict[str, list[dict]], reference: str, last: int = 5, window: i
             "final_reward_by_seed": finals,
             "final_reward_mean": mean(finals),
             "final_difference_from_reference": diff,
-            "final_within_seed_noise": abs(diff) <= 2 * _se_of_difference(finals, ref_final),
+            "final_within_seed_noise": abs(diff) <= 2 * se,
+            "final_difference_interval": (diff - 2 * se, diff + 2 * se),
+            "final_equivalent": abs(diff) + 2 * se <= margin,
             "steps_within_seed_noise": steps_within,
             "steps_compared": sum(1 for n in by_step if n in ref_by_step),
             "time_to_target_s_by_seed": times,
