@@ -32,13 +32,13 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from verl_tide.sim.env_probe import probe_environment  # noqa: E402
 from verl_tide.sim.hardware import fit_decode_iteration  # noqa: E402
 from verl_tide.sim.plan import model_from_hf_config  # noqa: E402
 from verl_tide.testing import device_budgets  # noqa: E402
-from verl_tide.testing.compare import System, job_overrides  # noqa: E402
+from verl_tide.testing.compare import System, job_overrides, wall_clock_summary  # noqa: E402
 from verl_tide.testing.compare import systems as stock_systems  # noqa: E402
 from verl_tide.testing.demo import demo_job, env_agent_overrides  # noqa: E402
 from verl_tide.testing.platform import TEST_BED_ENV  # noqa: E402
@@ -159,12 +159,10 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
         seen["url"] = url
         return job_overrides(job, sync, env_agent_overrides(url))
 
-    arrivals: dict[int, float] = {}  # each step line's arrival (Unix time): step 1's lazy start against the rest
+    timed: list[tuple[float, str]] = []  # every line with its arrival: the head-to-head's clock, step by step
 
     def on_line(line: str) -> None:
-        step = re.search(r"\bstep:(\d+) - ", line)
-        if step:
-            arrivals.setdefault(int(step.group(1)), time.time())
+        timed.append((time.time(), line))
         if "step:1 - " in line and "at_step1" not in seen:
             with urllib.request.urlopen(seen["url"] + "/health", timeout=10) as r:
                 seen["at_step1"] = json.load(r)
@@ -179,11 +177,12 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
     if step1 is None:
         raise RuntimeError("the probe never saw step 1's metrics line: no agent-turn counters to start from")
     later = [m[n] for n in sorted(m) if n > 1]
-    if sorted(arrivals) != list(range(1, steps + 1)) or not health.get("first_start_unix"):
-        raise RuntimeError(f"the probe's verl sync job: step lines {sorted(arrivals)} of {steps}, first /start "
-                           f"{health.get('first_start_unix')}: cannot time step 1's start")
-    steady = statistics.median(arrivals[n] - arrivals[n - 1] for n in range(2, steps + 1))
-    first_step_s = arrivals[1] - health["first_start_unix"]
+    wall = {int(n): s["wall_s"] for n, s in wall_clock_summary(timed, timed[0][0] if timed else 0.0,
+                                                               health.get("first_start_unix"))["steps"].items()}
+    if sorted(wall) != list(range(1, steps + 1)):
+        raise RuntimeError(f"the probe's verl sync job: step lines {sorted(wall)} of {steps}: cannot time step 1")
+    steady = statistics.median(wall[n] - wall[n - 1] for n in range(2, steps + 1))
+    first_step_s = wall[1]
     tokens = sum(s["perf/total_num_tokens"] for s in later)
     total = {k: sum(s.get(k, 0.0) for s in later) for k in (*PHASES, "timing_s/step")}
     act_f = total["timing_s/old_log_prob"] / tokens
@@ -229,8 +228,8 @@ def probe_switch(work: Path, steps: int, timeout_s: float) -> dict:
         raise RuntimeError(f"the probe's {SWITCH_SYSTEM} job never switched both ways after step 1 ({ways}): "
                            "no switch cost measured")
     means = {k.split("/")[-1]: statistics.fmean(v) for k, v in ways.items()}
-    # the Actor's passes in a step that began with a switch back, against those of steps that did not: on the test
-    # bed the slept replica's engine keeps spinning on the fake GPU's budget for a while (0.6 s more a step here)
+    # the Actor's passes in a step that began with a switch back, against those of steps that did not (on the
+    # budgeted test bed about 0.6 s more a step; why is not measured)
     compute = lambda s: s.get("timing_s/old_log_prob", 0.0) + s.get("timing_s/update_actor", 0.0)  # noqa: E731
     after = [compute(s) for n, s in m.items() if n > 1 and s.get("timing_s/switch_to_trainer") is not None]
     other = [compute(s) for n, s in m.items() if n > 1 and s.get("timing_s/switch_to_trainer") is None]
@@ -242,6 +241,13 @@ def probe_switch(work: Path, steps: int, timeout_s: float) -> dict:
             "steps_without_switch": len(other),
             # each way, as verl's timers see it (its switch rule and ERS weigh their sum)
             "switch_s": statistics.fmean(means.values())}
+
+
+def _cached(path: Path, probe: Callable[[], dict]) -> dict:
+    """A probe's measurement, kept in the workdir: a rerun there measures only what is missing."""
+    if not path.exists():
+        path.write_text(json.dumps(probe(), default=str))
+    return json.loads(path.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,13 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[calibrate] device budgets: {f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}",
           flush=True)
     t0 = time.monotonic()
-    cached = work / "trainer_probe.json"  # a rerun in the same workdir keeps each probe's measurement
-    trainer = json.loads(cached.read_text()) if cached.exists() else probe_trainer(work, args.steps, timeout_s=1200)
-    cached.write_text(json.dumps(trainer, default=str))
+    trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, args.steps, timeout_s=1200))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
-    cached = work / "switch_probe.json"
-    switch = json.loads(cached.read_text()) if cached.exists() else probe_switch(work, args.steps, timeout_s=1200)
-    cached.write_text(json.dumps(switch))
+    switch = _cached(work / "switch_probe.json", lambda: probe_switch(work, args.steps, timeout_s=1200))
     print(f"[calibrate] switch: {json.dumps(switch)}", flush=True)
     model = Path(trainer["model_path"])
     jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
@@ -279,10 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if jb:
             jb.place(env_proc.pid, [])
-        cached = work / "engine_probe.json"
-        engine = json.loads(cached.read_text()) if cached.exists() else probe_engine(
-            model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240)
-        cached.write_text(json.dumps(engine))
+        engine = _cached(work / "engine_probe.json", lambda: probe_engine(
+            model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240))
         print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
         envs = asyncio.run(probe_environment(env_url, episodes=args.episodes, env="tiny_slow",
                                              tokenizer_path=str(model), action="guess 0 0 0 0"))

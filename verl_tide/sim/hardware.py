@@ -92,9 +92,9 @@ class Costs:
     # verl's hybrid replica on the trainer's GPUs lent to rollout or taken back, each way (None: `switch_s`). Apart
     # on the test bed, where a `sync` job's phase switch lies inside the verl timers its profile is read from
     hybrid_switch_s: Optional[float] = None
-    # the Actor's passes in a step that begins with the replica taken back, beyond a step that does not (on the
-    # test bed the slept replica's engine keeps spinning on the shared budget); not in verl's switch timers, so
-    # not in the cost verl's switch rule and ERS weigh; 0 in the GPU profiles
+    # the Actor's passes in a step that begins with the replica taken back, beyond a step that does not (measured
+    # on the budgeted test bed; why is not measured); not in verl's switch timers, so not in the cost verl's switch
+    # rule and ERS weigh; 0 in the GPU profiles
     actor_after_switch_s: float = 0.0
 
     @property
