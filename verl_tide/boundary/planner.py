@@ -119,7 +119,7 @@ class BoundaryPlanner:
     share: Optional[float] = None  # split mode: the replicas' share of a Ref pass
     window: Optional[BudgetWindow] = None  # CTB's budget factor (None: CTB off; budgets stay at Alg. 1's)
     resizer: TrainerResizer = field(default_factory=TrainerResizer)  # asked only where inputs.resize is given
-    lend_record: LendingRecord = field(default_factory=lambda: LendingRecord(0))  # tide.ers.lend_trials
+    lend_record: LendingRecord = field(default_factory=LendingRecord)  # cycles after each lending answer
     trace: Optional[list] = field(default=None, repr=False)  # set to a list to record (inputs, decision) pairs
 
     @classmethod

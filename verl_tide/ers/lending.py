@@ -109,7 +109,7 @@ class LendingRecord:
     """The step cycles that followed each answer to a lending question, the measurement ERS prefers to its model
     once each answer was tried `trials` times (the last `window` cycles each way count)."""
 
-    trials: int = 2
+    trials: int = 0  # tide.ers.lend_trials (0: the model alone)
     window: int = 4
     lent: list[float] = field(default_factory=list)
     kept: list[float] = field(default_factory=list)
