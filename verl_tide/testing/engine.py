@@ -7,8 +7,10 @@ from typing import Any
 import torch
 
 
-def build_training_worker_group(model_path: str, world_size: int = 1, lr: float = 1e-2) -> Any:
-    """A `RayWorkerGroup` of verl `TrainingWorker`s (FSDP2, fp32, SDPA) on `world_size` fake GPUs."""
+def build_training_worker_group(model_path: str, world_size: int = 1, lr: float = 1e-2,
+                                worker_cls: Any = None) -> Any:
+    """A `RayWorkerGroup` of verl `TrainingWorker`s (FSDP2, fp32, SDPA) on `world_size` fake GPUs; `worker_cls` a
+    subclass of `TrainingWorker` in its place."""
     import ray
 
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -26,10 +28,22 @@ def build_training_worker_group(model_path: str, world_size: int = 1, lr: float 
     config = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
                                   engine_config=engine_config, optimizer_config=optimizer_config)
     pool = RayResourcePool(process_on_nodes=[world_size], max_colocate_count=1)
-    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ray.remote(TrainingWorker), config=config),
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ray.remote(worker_cls or TrainingWorker), config=config),
                         device_name="cpu")
     wg.reset()
+    wg.tide_test_pool = pool  # for `stop_training_worker_group`
     return wg
+
+
+def stop_training_worker_group(wg: Any) -> None:
+    """The group's workers killed and its placement groups removed: its fake GPUs free for another group."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for worker in wg.workers:
+        ray.kill(worker)
+    for pg in wg.tide_test_pool.pgs or []:
+        remove_placement_group(pg)
 
 
 def make_lm_batch(sequences: list[list[int]], temperature: float = 1.0) -> Any:
