@@ -24,15 +24,20 @@ def sequences(tiny_model_path):
     return [tok.encode(t) for t in TEXTS]
 
 
-def _group(model_path, world_size):
-    import verl_tide.register, verl_tide.testing.register  # noqa: F401
-    from verl.workers.utils.losses import sft_loss
-    from verl_tide.testing.engine import build_training_worker_group
-    from verl_tide.testing.resizable_worker import ResizableTrainingWorker
+def _layout(model_path):
+    import ray
 
-    wg = build_training_worker_group(model_path, world_size=world_size, lr=1e-2, worker_cls=ResizableTrainingWorker)
-    wg.set_loss_fn(loss_fn=partial(sft_loss, config=None))
-    return wg
+    import verl_tide.register, verl_tide.testing.register  # noqa: F401
+    from verl.single_controller.ray import RayClassWithInitArgs
+    from verl.workers.utils.losses import sft_loss
+    from verl_tide.testing.engine import training_worker_config
+    from verl_tide.testing.resizable_worker import ResizableTrainingWorker
+    from verl_tide.trainer.actor_group import ActorGroupLayout
+
+    worker = RayClassWithInitArgs(ray.remote(ResizableTrainingWorker), config=training_worker_config(model_path, lr=1e-2))
+    return ActorGroupLayout(class_dict={"actor": worker}, actor_role="actor", init_method={"actor": "reset"},
+                            wg_kwargs={"device_name": "cpu"},
+                            after_init=lambda views: views["actor"].set_loss_fn(loss_fn=partial(sft_loss, config=None)))
 
 
 def _train(wg, sequences):
@@ -67,45 +72,46 @@ def _close(a, b, atol):
 
 def test_the_actor_state_moves_down_and_back_up_between_world_sizes(ray_cpu_cluster, tiny_model_path, sequences,
                                                                      tmp_path):
-    from verl_tide.testing.engine import stop_training_worker_group
+    """verl's colocated worker class over 2 fake GPUs, resized to 1 and back to 2 at a boundary."""
+    from verl_tide.trainer.actor_group import build_actor_group, resize_actor_group, stop_actor_group
 
+    layout = _layout(str(tiny_model_path))
     first, second = sequences[:4], sequences[4:]
-    two = _group(str(tiny_model_path), 2)
+    views, pool = build_actor_group(layout, 2)
+    two = views["actor"]
+    assert two.world_size == 2
     _train(two, first)  # Adam's moments and step are non-zero from here
     saved = _digest(two)
     assert any(k.endswith(".exp_avg") for k in saved) and any(k.endswith(".step") for k in saved), sorted(saved)[:8]
     before = _log_probs(two, sequences)
-    two.export_train_state(str(tmp_path / "down"))
-    _train(two, second)  # what the group would have done without the move
-    reference = _log_probs(two, sequences)
-    assert not _close(reference, before, 1e-3)  # the second update moves log-probs: the comparisons below can fail
-    stop_training_worker_group(two)
 
-    one = _group(str(tiny_model_path), 1)
-    fresh = _digest(one)
-    assert fresh != saved  # a group that has not loaded holds another state: equality below means the load
-    one.import_train_state(str(tmp_path / "down"))
+    views, pool, down = resize_actor_group(layout, views, pool, 1)
+    one = views["actor"]
+    assert one.world_size == 1 and (down.world_from, down.world_to) == (2, 1) and down.total_s > 0
     assert _digest(one) == saved  # every parameter, moment, step and the schedule, bit for bit
     assert _close(_log_probs(one, sequences), before, 1e-6)
     _train(one, second)
-    assert _close(_log_probs(one, sequences), reference, 1e-4)  # the same update as the unchanged group made
     after_one = _digest(one)
-    one.export_train_state(str(tmp_path / "up"))
-    stop_training_worker_group(one)
+    trained_on_one = _log_probs(one, sequences)
+    assert not _close(trained_on_one, before, 1e-3)  # the update moved log-probs: the comparisons can fail
 
-    two = _group(str(tiny_model_path), 2)
-    two.import_train_state(str(tmp_path / "up"))
+    views, pool, up = resize_actor_group(layout, views, pool, 2)
+    two = views["actor"]
+    assert two.world_size == 2 and (up.world_from, up.world_to) == (1, 2)
     assert _digest(two) == after_one
-    assert _close(_log_probs(two, sequences), reference, 1e-4)
-    stop_training_worker_group(two)
+    assert _close(_log_probs(two, sequences), trained_on_one, 1e-6)
 
-
-def test_loading_from_a_missing_directory_names_it(ray_cpu_cluster, tiny_model_path, tmp_path):
-    from verl_tide.testing.engine import stop_training_worker_group
-
-    one = _group(str(tiny_model_path), 1)
-    try:
-        with pytest.raises(Exception, match="no saved training state at"):
-            one.import_train_state(str(tmp_path / "absent"))
-    finally:
-        stop_training_worker_group(one)
+    # The same two updates on a group that never changed size: the resized one trained as it would have.
+    stop_actor_group(views, pool)
+    views, pool = build_actor_group(layout, 2)
+    fixed = views["actor"]
+    assert _digest(fixed) != saved  # a fresh group holds another state: the equalities above mean the loads
+    _train(fixed, first)
+    _train(fixed, second)
+    assert _close(_log_probs(fixed, sequences), trained_on_one, 1e-4)
+    with pytest.raises(Exception, match="no saved training state at"):
+        fixed.import_train_state(str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="resize to 3 GPU"):  # two fake GPUs in this cluster: refused before a stop
+        resize_actor_group(layout, views, pool, 3)
+    assert _close(_log_probs(fixed, sequences), trained_on_one, 1e-4)  # the group still answers
+    stop_actor_group(views, pool)

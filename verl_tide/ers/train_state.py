@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 SCHEDULE_FILE = "lr_scheduler.pt"  # beside DCP's files: the schedule is the same on every rank, rank 0 writes it
 
@@ -50,8 +51,11 @@ def load_train_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer, 
 
 def train_state_digest(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
     """A hash of every full (unsharded) parameter and optimizer-state tensor, keyed by name; the same on every rank.
-    Two groups of any sizes hold the same training state exactly when their digests are equal."""
+    Two groups of any sizes hold the same training state exactly when their digests are equal. An optimizer that
+    has not stepped is left so (torch's `get_state_dict` would give it state with a zero-learning-rate step)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    if not optimizer.state:
+        return {f"model.{k}": _hash(v) for k, v in get_model_state_dict(module, options=options).items()}
     model_state, optim_state = get_state_dict(module, optimizer, options=options)
     out = {f"model.{k}": _hash(v) for k, v in model_state.items()}
     for name, per_param in optim_state.get("state", {}).items():

@@ -7,16 +7,10 @@ from typing import Any
 import torch
 
 
-def build_training_worker_group(model_path: str, world_size: int = 1, lr: float = 1e-2,
-                                worker_cls: Any = None) -> Any:
-    """A `RayWorkerGroup` of verl `TrainingWorker`s (FSDP2, fp32, SDPA) on `world_size` fake GPUs; `worker_cls` a
-    subclass of `TrainingWorker` in its place."""
-    import ray
-
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+def training_worker_config(model_path: str, lr: float = 1e-2) -> Any:
+    """verl's `TrainingWorkerConfig` for the tiny model: FSDP2, fp32, SDPA, no offload."""
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.config.engine import TrainingWorkerConfig
-    from verl.workers.engine_workers import TrainingWorker
 
     model_config = HFModelConfig(path=model_path, override_config={"attn_implementation": "sdpa"},
                                  use_remove_padding=False)
@@ -25,25 +19,22 @@ def build_training_worker_group(model_path: str, world_size: int = 1, lr: float 
                                      mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
                                      infer_micro_batch_size_per_gpu=2, micro_batch_size_per_gpu=2)
     optimizer_config = FSDPOptimizerConfig(lr=lr, weight_decay=0.0, clip_grad=1.0)
-    config = TrainingWorkerConfig(model_type="language_model", model_config=model_config,
-                                  engine_config=engine_config, optimizer_config=optimizer_config)
-    pool = RayResourcePool(process_on_nodes=[world_size], max_colocate_count=1)
-    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ray.remote(worker_cls or TrainingWorker), config=config),
-                        device_name="cpu")
-    wg.reset()
-    wg.tide_test_pool = pool  # for `stop_training_worker_group`
-    return wg
+    return TrainingWorkerConfig(model_type="language_model", model_config=model_config,
+                                engine_config=engine_config, optimizer_config=optimizer_config)
 
 
-def stop_training_worker_group(wg: Any) -> None:
-    """The group's workers killed and its placement groups removed: its fake GPUs free for another group."""
+def build_training_worker_group(model_path: str, world_size: int = 1, lr: float = 1e-2) -> Any:
+    """A `RayWorkerGroup` of verl `TrainingWorker`s (FSDP2, fp32, SDPA) on `world_size` fake GPUs."""
     import ray
-    from ray.util.placement_group import remove_placement_group
 
-    for worker in wg.workers:
-        ray.kill(worker)
-    for pg in wg.tide_test_pool.pgs or []:
-        remove_placement_group(pg)
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.workers.engine_workers import TrainingWorker
+
+    pool = RayResourcePool(process_on_nodes=[world_size], max_colocate_count=1)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(
+        ray.remote(TrainingWorker), config=training_worker_config(model_path, lr)), device_name="cpu")
+    wg.reset()
+    return wg
 
 
 def make_lm_batch(sequences: list[list[int]], temperature: float = 1.0) -> Any:
