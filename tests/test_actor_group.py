@@ -35,6 +35,8 @@ def world(monkeypatch):
     monkeypatch.setattr(actor_group, "build_actor_group", build)
     monkeypatch.setattr(actor_group, "stop_actor_group", lambda views, pool: log.append(("stop", pool)))
     monkeypatch.setattr(actor_group, "_free_gpus", lambda: 1.0)
+    monkeypatch.setattr(actor_group, "_wait_for_gpus", lambda n, timeout_s: None if n <= 1 else
+                        (_ for _ in ()).throw(TimeoutError()))
     return log, fail_at
 
 

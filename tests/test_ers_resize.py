@@ -116,3 +116,47 @@ def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trai
     assert sim.ledger.check(sim.sequences_held()) is None  # the ledger balances across the resizes
     decided = [rec.decision["resize"] for rec in sim.planner.trace if "resize" in getattr(rec, "decision", {})]
     assert decided and any(reason.startswith("resize") for _, reason in decided)
+
+
+def test_the_actor_takes_only_sizes_that_split_a_mini_batch_and_never_gives_back_its_start():
+    """verl splits each PPO mini-batch evenly over the Actor's GPUs; trainer tide gives back only GPUs it took
+    from rollout (`actor_floor`: its start)."""
+    trainer_bound = _signals(rollout_utilization=0.5, rollout_wait_s=50.0)
+    assert target_split(trainer_bound, _inputs(mini_batch=40))[0] == 10  # 16 does not divide 40; 10 does
+    starved = _signals(trainer_wait_s=80.0, rollout_capacity_rate=1.0)
+    floor = target_split(starved, _inputs(rollout_gpus=4, actor_gpus=28, actor_floor=24))
+    assert floor[0] >= 24
+
+
+def test_trainer_resize_refuses_what_it_cannot_rebuild_naming_the_keys():
+    import pytest
+
+    from verl_tide.core.config import TideConfigError, parse_tide_config
+    from verl_tide.ers.lending import resolve_lend_actor
+
+    with pytest.raises(TideConfigError) as err:
+        parse_tide_config({"ers": {"resize_trainer": True, "lend_actor": True}, "ra2p": {"ref_ranks": 1}})
+    text = str(err.value)
+    assert "tide.ers.resize_trainer = true with tide.ers.lend_actor = true" in text
+    assert "tide.ra2p.ref_ranks" in text
+    with pytest.raises(TideConfigError, match="resize_move_s.*>= 0"):
+        parse_tide_config({"ers": {"resize_move_s": -1}})
+    lend, why = resolve_lend_actor("auto", has_ref_model=False, hybrid_engine=True, resize_trainer=True)
+    assert not lend and "tide.ers.resize_trainer" in why
+
+
+def test_a_verl_job_with_a_ref_model_critic_or_two_nodes_is_refused_for_a_resize():
+    from omegaconf import OmegaConf
+
+    from verl_tide.job_config import resize_blockers
+
+    def job(kl=False, critic=None, nodes=1):
+        return OmegaConf.create({
+            "actor_rollout_ref": {"actor": {"use_kl_loss": kl}, "rollout": {"nnodes": 1}},
+            "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo"}, "critic": {"enable": critic},
+            "trainer": {"nnodes": nodes}})
+
+    assert resize_blockers(job()) == []
+    problems = resize_blockers(job(kl=True, critic=True, nodes=2))
+    assert len(problems) == 3 and all(p.startswith("tide.ers.resize_trainer = true with") for p in problems)
+    assert "use_kl_loss" in problems[0] and "critic.enable" in problems[1] and "trainer.nnodes = 2" in problems[2]

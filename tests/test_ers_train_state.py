@@ -112,6 +112,6 @@ def test_the_actor_state_moves_down_and_back_up_between_world_sizes(ray_cpu_clus
     with pytest.raises(Exception, match="no saved training state at"):
         fixed.import_train_state(str(tmp_path / "absent"))
     with pytest.raises(ValueError, match="resize to 3 GPU"):  # two fake GPUs in this cluster: refused before a stop
-        resize_actor_group(layout, views, pool, 3)
+        resize_actor_group(layout, views, pool, 3, gpu_wait_s=2.0)
     assert _close(_log_probs(fixed, sequences), trained_on_one, 1e-4)  # the group still answers
     stop_actor_group(views, pool)

@@ -10,7 +10,7 @@ themselves stay verl's (subclass, no patching).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
 
@@ -39,6 +39,34 @@ class TideReplayBuffer(ReplayBufferAsync):
         super().__init__(*args, **kwargs)  # (the verl methods overridden here: verl_compat.REPLAY_BUFFER_HOOKS)
         batch = int(self.train_batch_size or 0) or 8
         self.max_failed_without_success = max(8, 4 * batch)
+
+    @classmethod
+    def for_trainer(cls, trainer: Any) -> "TideReplayBuffer":
+        """The buffer trainer `tide` builds in place of verl's (its `_build_replay_buffer` hook), wired to the
+        trainer's readiness tracker, ledger, Ref path and CTB's router."""
+        from verl_tide.job_config import off_policy_threshold
+
+        config, tide = trainer.config, trainer.tide_config
+        sampler = config.trainer.v1.sampler
+        buffer = cls(
+            readiness=trainer.readiness, ledger=trainer.ledger, clock=trainer.clock,
+            trainer_mode=trainer.trainer_mode, trainer_config=config.trainer.v1.get("separate_async", {}),
+            max_off_policy_threshold=off_policy_threshold(tide.max_staleness),
+            max_off_policy_strategy=tide.staleness_strategy, sampler_kwargs=sampler.sampler_kwargs,
+            refill_fn=trainer._add_prompts_to_generate,
+            filter_groups_metric=trainer._resolve_filter_groups_metric(),
+            sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
+            train_batch_size=int(config.data.train_batch_size),
+            # a mini-batch trains as soon as it is ready: verl's 2 s poll would delay each by up to that long
+            poll_interval=tide.sample_poll_s,
+        )
+        buffer.on_evicted = lambda keys: trainer.ref.forget_scored(keys)  # built in verl's __init__, before .ref
+        buffer.while_waiting = trainer._while_waiting_for_data
+        if tide.ctb.enabled:
+            # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
+            buffer.finish_times = lambda uids: (trainer.report.group_finish_times(uids, trainer.clock)
+                                                if getattr(trainer, "report", None) else {})
+        return buffer
 
     def _group_tags(self, partition_id: str, uid: str) -> dict[str, dict]:
         """{sample key: TransferQueue tag} of a group's trajectories (verl keys them `{uid}_{index}`)."""

@@ -91,7 +91,26 @@ def lend_actor(config: DictConfig, tide: TideConfig) -> tuple[bool, str]:
 
     hybrid = OmegaConf.select(config, "actor_rollout_ref.hybrid_engine", default=True)
     return resolve_lend_actor(tide.ers.lend_actor, uses_ref_model(config), True if hybrid is None else bool(hybrid),
-                              ref_layout_of(config, tide).replicas)
+                              ref_layout_of(config, tide).replicas, tide.ers.resize_trainer)
+
+
+def resize_blockers(config: DictConfig) -> list[str]:
+    """What in a verl job keeps ERS from resizing the Actor's group (`tide.ers.resize_trainer`), key by key."""
+    out = []
+    critic = OmegaConf.select(config, "critic.enable", default=None)
+    if critic is None:  # verl's `need_critic` (0.9.1): GAE needs one
+        critic = OmegaConf.select(config, "algorithm.adv_estimator", default="grpo") == "gae"
+    nodes = (OmegaConf.select(config, "trainer.nnodes", default=1),
+             OmegaConf.select(config, "actor_rollout_ref.rollout.nnodes", default=1))
+    if uses_ref_model(config):
+        out.append("a Ref model (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward): its rows held "
+                   "in the Actor's processes across a resize are not handled yet")
+    if critic:
+        out.append("a critic (critic.enable or algorithm.adv_estimator = gae): it shares the Actor's pool")
+    if nodes != (1, 1):
+        out.append(f"trainer.nnodes = {nodes[0]}, actor_rollout_ref.rollout.nnodes = {nodes[1]}: the resize is "
+                   f"built for one node")
+    return [f"tide.ers.resize_trainer = true with {b}" for b in out]
 
 
 def check_layout(config: DictConfig, tide: Optional[TideConfig] = None) -> None:
@@ -104,6 +123,8 @@ def check_layout(config: DictConfig, tide: Optional[TideConfig] = None) -> None:
                 check(config, tide)
             except TideConfigError as e:
                 problems.extend(p for p in e.problems if p not in problems)
+        if tide.ers.resize_trainer:
+            problems.extend(resize_blockers(config))
     rollout = config.actor_rollout_ref.rollout
     if int(rollout.nnodes or 0) < 1 or int(rollout.n_gpus_per_node or 0) < 1:
         problems.append(

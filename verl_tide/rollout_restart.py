@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -62,16 +62,8 @@ class RankRestarts:
         return True
 
     def _relaunch(self, job: _Relaunch) -> None:
-        replica = job.replica
         try:
-            for actor in [*replica.servers, *replica.workers]:  # the dead server, its node-mates, its workers
-                try:
-                    ray.kill(actor)
-                except Exception:  # already gone
-                    pass
-            replica.servers.clear()  # verl's launch_servers appends the new servers to this list
-            replica.workers = self._new_workers(replica, job)
-            asyncio.run(replica.launch_servers())
+            relaunch_replica(job.replica, lambda replica: self._new_workers(replica, job))
         except Exception as e:  # a relaunch that fails leaves the rank quarantined, training goes on
             job.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         job.seconds = time.perf_counter() - job.started
@@ -81,14 +73,8 @@ class RankRestarts:
                   "relaunch began); it rejoins at the next weight sync", flush=True)
 
     def _new_workers(self, replica: Any, job: _Relaunch) -> list:
-        """Rollout workers in the replica's own resource pool, as `init_standalone` builds them."""
-        from verl.single_controller.ray import RayWorkerGroup
-        from verl.utils.device import get_device_name
-
-        prefix = f"rollout_standalone_{replica.replica_rank}_relaunch{self.restarts[job.rank]}"
-        group = RayWorkerGroup(resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
-                               bin_pack=False, name_prefix=prefix, use_gpu=True, device_name=get_device_name())
-        return group.workers
+        return new_rollout_workers(replica, f"rollout_standalone_{replica.replica_rank}_relaunch"
+                                            f"{self.restarts[job.rank]}")
 
     @property
     def relaunching(self) -> list[int]:
@@ -117,3 +103,33 @@ class RankRestarts:
             servers = {replicas[r].server_address: replicas[r].server_handle for r in ranks}
             ray.get(self.balancer.add_servers.remote(servers), timeout=self.timeout_s)
         return ranks
+
+
+def stop_replica(replica: Any) -> None:
+    """A replica's servers and workers killed (a dead one, its node-mates, its workers: a worker can hang in a
+    weight sync with a dead server)."""
+    for actor in [*replica.servers, *replica.workers]:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass
+
+
+def new_rollout_workers(replica: Any, name_prefix: str) -> list:
+    """Rollout workers in the replica's own resource pool, as verl's `RolloutReplica.init_standalone()` builds
+    them (verl 0.9.1); the pool makes its placement group again if it was removed."""
+    from verl.single_controller.ray import RayWorkerGroup
+    from verl.utils.device import get_device_name
+
+    group = RayWorkerGroup(resource_pool=replica.resource_pool, ray_cls_with_init=replica.get_ray_class_with_init_args(),
+                           bin_pack=False, name_prefix=name_prefix, use_gpu=True, device_name=get_device_name())
+    return group.workers
+
+
+def relaunch_replica(replica: Any, new_workers: Callable[[Any], list]) -> None:
+    """`init_standalone()` minus the pool: the old processes stopped, new workers, then verl's `launch_servers()`.
+    Runs its own event loop: call it where none runs (a thread)."""
+    stop_replica(replica)
+    replica.servers.clear()  # verl's launch_servers appends the new servers to this list
+    replica.workers = new_workers(replica)
+    asyncio.run(replica.launch_servers())

@@ -149,6 +149,14 @@ class ERSConfig:
                                    "after an update, step cycles ERS tries each way (the Actor's GPUs lent, kept; "
                                    "alternating) before the measured cycle times decide lending instead of the "
                                    "model (lend_kv_bound); 0: the model alone"))
+    resize_trainer: bool = field(default=False, metadata=_help(
+        "the Actor's training group grows by a rollout replica's GPUs when the trainer bounds the step cycle and "
+        "gives them back when rollout does, at the weight-sync boundary (ers/resize.py decides; one node; no Ref "
+        "model, critic or lending)"))
+    resize_move_s: Optional[float] = field(
+        default=None, metadata=_check(lambda x: x >= 0, ">= 0 or null (null = measured at start-up)",
+                                      "seconds a trainer resize is assumed to stop training until one is measured "
+                                      "(a move must repay it over the steps left)"))
     tau: float = field(
         default=1.0,
         metadata=_check(lambda x: x > 0, "> 0", "head-of-line threshold as a multiple of the mean step time"),
@@ -277,6 +285,14 @@ def _check_cross_fields(cfg: TideConfig, prefix: str, problems: list[str]) -> No
             f"{prefix}.ers.min_batch = {ers.min_batch}: must be <= {prefix}.ers.ideal_batch "
             f"(= {ers.ideal_batch}); B_min <= B_ideal"
         )
+    if ers.resize_trainer and ers.lend_actor is True:
+        problems.append(f"{prefix}.ers.resize_trainer = true with {prefix}.ers.lend_actor = true: a lent replica "
+                        f"lives in the Actor's processes, which a resize rebuilds; set one of them false")
+    if ers.resize_trainer and not ers.enabled:
+        problems.append(f"{prefix}.ers.resize_trainer = true with {prefix}.ers.enabled = false: set ers.enabled true")
+    if ers.resize_trainer and (cfg.ra2p.ref_ranks > 0 or ers.min_ref_ranks > 0 or ers.max_ref_ranks):
+        problems.append(f"{prefix}.ers.resize_trainer = true with tide's Ref replicas ({prefix}.ra2p.ref_ranks, "
+                        f"{prefix}.ers.min_ref_ranks, {prefix}.ers.max_ref_ranks): not built; set them 0")
     if ers.max_ref_ranks is not None and ers.min_ref_ranks > ers.max_ref_ranks:
         problems.append(
             f"{prefix}.ers.min_ref_ranks = {ers.min_ref_ranks}: must be <= {prefix}.ers.max_ref_ranks "

@@ -46,7 +46,7 @@ from verl_tide.ers.policy import Phase
 
 
 def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_engine: bool,
-                       ref_replicas: bool = False) -> tuple[bool, str]:
+                       ref_replicas: bool = False, resize_trainer: bool = False) -> tuple[bool, str]:
     """`tide.ers.lend_actor` for one job: whether its Actor's GPUs get verl's hybrid replica, and why. An explicit
     `true` the job cannot honour is an error naming the keys; `auto` says which key kept lending off.
 
@@ -64,6 +64,9 @@ def resolve_lend_actor(setting: Union[bool, str], has_ref_model: bool, hybrid_en
                       "beside verl's Ref is opt-in, tide.ers.lend_actor = true")
     if not hybrid_engine:
         blockers.append("actor_rollout_ref.hybrid_engine = false: no rollout replica on the trainer's GPUs")
+    if resize_trainer:
+        blockers.append("tide.ers.resize_trainer = true: a resize rebuilds the Actor's processes, where a lent "
+                        "replica lives")
     if setting is True and blockers:
         raise TideConfigError([f"tide.ers.lend_actor = true with {b}; set tide.ers.lend_actor = auto or false"
                                for b in blockers])

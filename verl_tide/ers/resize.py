@@ -21,7 +21,7 @@ measured moves only if its measured rate beats the current one, and the best mea
 one measured worse.
 
 Pure Python. The move itself (the Actor's state to host memory and back, the worker group rebuilt over the new
-GPU set) is the caller's: the simulator models it; trainer `tide` does not resize yet (docs/limits.md).
+GPU set) is the caller's: the simulator models it; trainer `tide` applies it with `trainer/resize.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class ResizeInputs:
     weight_kv_tokens: Optional[float] = None  # the model's weights in KV tokens (decode-bound saturation)
     kv_bound_min: float = 0.5
     gpus_per_replica: int = 1
+    mini_batch: Optional[int] = None  # sequences in a PPO mini-batch: verl splits it evenly over the Actor's GPUs
+    actor_floor: int = 1  # the fewest GPUs the Actor may have (trainer tide: its start, GPUs given back are lent)
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,9 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
         return min(rollout((r0 + a0 - actor) // g), trainer_rate * actor / a0)
 
     now = rate_at(a0)
-    candidates = [a for a in range(max(1, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1)
-                  if (a - a0) % g == 0 and (a == a0 or within[0] < a < within[1])]
+    candidates = [a for a in range(max(inputs.actor_floor, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1)
+                  if (a - a0) % g == 0 and (a == a0 or within[0] < a < within[1])
+                  and (a == a0 or inputs.mini_batch is None or inputs.mini_batch % a == 0)]
     best = max(candidates, key=lambda a: (rate_at(a), -abs(a - a0)))
     gain = rate_at(best) / now - 1 if now > 0 else 0.0
     side = "the trainer" if trainer_rate < rollout(of) else "rollout"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from verl_tide.ers import train_state
@@ -65,3 +66,9 @@ class TrainStateTransfer:
             if engine.lr_scheduler is not None:
                 digest["lr_scheduler.last_lr"] = repr(engine.lr_scheduler.get_last_lr())
             return digest
+
+
+
+class ResizableActorWorker(TrainStateTransfer, DetachActorWorker):
+    """separate_async's Actor worker with the transfer methods: trainer `tide` installs it for the Actor role when
+    `tide.ers.resize_trainer` is on."""

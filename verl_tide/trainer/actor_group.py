@@ -84,19 +84,22 @@ def stop_actor_group(views: dict[str, Any], pool: Any) -> None:
 
 
 def resize_actor_group(layout: ActorGroupLayout, views: dict[str, Any], pool: Any, world_size: int,
-                       clock: Callable[[], float] = time.perf_counter,
-                       state_root: str = STATE_ROOT) -> tuple[dict[str, Any], Any, ResizeTimes]:
+                       clock: Callable[[], float] = time.perf_counter, state_root: str = STATE_ROOT,
+                       gpu_wait_s: float = 60.0) -> tuple[dict[str, Any], Any, ResizeTimes]:
     """The Actor's group at `world_size` GPUs with the state it holds now. Call it at the weight-sync boundary,
     after the update and before the sync, with no request in flight to the group. Refused before anything stops
-    when the GPUs are not there; if building the new group fails, the old size is built again from the saved
-    state (the times then say `world_to == world_from`); only if that fails too does the error propagate, naming
-    where the state is kept."""
+    when the GPUs are not there (after `gpu_wait_s` for them); if building the new group fails, the old size is
+    built again from the saved state (the times then say `world_to == world_from`); only if that fails too does
+    the error propagate, naming where the state is kept."""
     actor = views[layout.actor_role]
     world_from = actor.world_size
-    free = _free_gpus()
-    if world_size < 1 or world_size > free + world_from:
-        raise ValueError(f"ERS's trainer resize to {world_size} GPU(s): the Actor holds {world_from} and {free:g} "
-                         f"more are free; free a rollout replica's GPU first")
+    try:  # a rollout replica stopped just before frees its GPU a moment later
+        if world_size < 1:
+            raise TimeoutError
+        _wait_for_gpus(world_size - world_from, gpu_wait_s)
+    except TimeoutError:
+        raise ValueError(f"ERS's trainer resize to {world_size} GPU(s): the Actor holds {world_from} and "
+                         f"{_free_gpus():g} more are free; free a rollout replica's GPU first") from None
     state_dir = tempfile.mkdtemp(prefix="verl-tide-actor-state-", dir=state_root)
     try:
         t0 = clock()

@@ -19,6 +19,7 @@ from verl_tide.core.readiness import ReadinessSignals
 from verl_tide.ctb.window import BudgetDecision, BudgetInputs
 from verl_tide.ers.lending import LendDecision, LendingInputs
 from verl_tide.ers.policy import Phase, RankMove, Role
+from verl_tide.ers.resize import ResizeDecision, ResizeInputs
 from verl_tide.ra2p.cost import StageTimer
 from verl_tide.trainer import lending
 
@@ -57,7 +58,8 @@ def observe_ref_replicas(timer: StageTimer, timing: Mapping[str, Any], metrics: 
 def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_batch: int, step_tokens: int,
                     timer: StageTimer, actor_ranks: int, fixed_ref_ranks: int, roles: Mapping[int, Role],
                     replicas_up: int, ref_beside_actor: bool, uses_ref: bool,
-                    lending: Optional[LendingInputs] = None, ctb: Optional[BudgetInputs] = None) -> BoundaryInputs:
+                    lending: Optional[LendingInputs] = None, ctb: Optional[BudgetInputs] = None,
+                    resize: Optional[ResizeInputs] = None) -> BoundaryInputs:
     """The planner's inputs from what trainer `tide` holds at the post-update boundary: the readiness tracker's
     ready times of the last step (per GRPO group), verl's mini-batch size in groups, the ledger's consumed tokens,
     the stage timer's rates, and the ranks in each role."""
@@ -65,7 +67,8 @@ def boundary_inputs(step: int, ready_times: Sequence[float], groups_per_mini_bat
         step=step, ready_times=tuple(ready_times), units_per_mini_batch=groups_per_mini_batch,
         step_tokens=step_tokens, rates=StageRates.from_timer(timer), actor_ranks=actor_ranks,
         fixed_ref_ranks=fixed_ref_ranks, elastic_ref_ranks=sum(r is Role.REF for r in roles.values()),
-        replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref, lending=lending, ctb=ctb)
+        replicas_up=replicas_up, ref_beside_actor=ref_beside_actor, uses_ref=uses_ref, lending=lending, ctb=ctb,
+        resize=resize)
 
 
 def ers_phase(global_steps: int, total_steps: int, test_freq: int, overlapped_eval: bool) -> Phase:
@@ -132,6 +135,7 @@ class TrainerBoundaryPort:
     timer: Optional[StageTimer] = None
     metrics: dict = field(default_factory=dict)
     lend_decision: Optional[LendDecision] = None
+    resize_decision: Optional[ResizeDecision] = None  # applied by the trainer after the round, before the sync
     applied: list = field(default_factory=list)
 
     def signals(self, break_even: Optional[int]) -> ReadinessSignals:
@@ -154,12 +158,14 @@ class TrainerBoundaryPort:
             self.roles[move.rank] = move.dst
         return self.applied
 
-    def resize_trainer(self, decision: Any) -> None:
-        """Never asked: trainer tide gives the planner no resize inputs (the Actor's group is not resized yet)."""
-        raise NotImplementedError("trainer tide does not resize the Actor's training group (docs/limits.md)")
+    def resize_trainer(self, decision: ResizeDecision) -> None:
+        """Asked only with `tide.ers.resize_trainer` on; the trainer moves the GPUs (`trainer/resize.py`)."""
+        self.resize_decision = decision
 
     def report(self, result: RoundResult) -> None:
         decision = result.decision
+        if decision.resize is not None:
+            print(f"verl-tide step {self.step}: ERS trainer resize: {decision.resize.reason}", flush=True)
         self.metrics.update(decision_metrics(decision, self.step_tokens, self.timer))
         self.metrics.update(roles_metrics(self.applied, self.roles))
         if self.advice is not None and decision.signals is not None:

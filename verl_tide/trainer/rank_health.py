@@ -34,6 +34,11 @@ class RankHealth:
         self.restarts = restarts  # rollout_restart.RankRestarts (tide.max_rank_restarts), or None
         self.health_timeout_s = health_timeout_s
         self.quarantined: dict[int, str] = {}  # rollout rank -> why
+        self.training_ranks: set[int] = set()  # ranks whose GPUs ERS's trainer resize gave the Actor: no server
+
+    def out_of_service(self) -> dict[int, str]:
+        """Rollout ranks that take no tasks (rank -> why): quarantined, or their GPUs in the Actor's group."""
+        return {**self.quarantined, **{r: "training (ERS's trainer resize)" for r in self.training_ranks}}
 
     def check(self, roles: MutableMapping[int, Role]) -> None:
         """Quarantine rollout ranks whose server died or stops answering: out of routing (their tasks go back to
@@ -44,7 +49,7 @@ class RankHealth:
         replicas = self.pool.get_replicas()
         dead = []
         for rank, replica in enumerate(replicas):
-            if rank in self.quarantined:
+            if rank in self.quarantined or rank in self.training_ranks:
                 continue
             try:
                 ray.get(server_handle(replica).get_server_address.remote(), timeout=self.health_timeout_s)
@@ -52,7 +57,7 @@ class RankHealth:
                 dead.append((rank, replica, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
         if not dead:
             return
-        if len(dead) + len(self.quarantined) >= len(replicas):
+        if len(dead) + len(self.quarantined) + len(self.training_ranks) >= len(replicas):
             raise RuntimeError(f"verl-tide: every rollout rank is dead or unresponsive ({dead[0][2]}); "
                                "nothing left to generate with")
         lb = load_balancer(self.pool)

@@ -36,10 +36,9 @@ from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ers.advice import SplitAdviceCycle
 from verl_tide.ers.policy import Phase, Role
 from verl_tide.evaluation import EvalMarkedLoader, OverlappedEvaluation, overlapped_evaluation, validation_buffer
-from verl_tide.job_config import (TRAINER_MODE, check_layout, lend_actor, off_policy_threshold, ref_layout_of,
-                                  tide_config_from_job)
+from verl_tide.job_config import check_layout, lend_actor, ref_layout_of, tide_config_from_job
 from verl_tide.ra2p.cost import RA2PMode, StageTimer
-from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, rollout_pool, verl_compat
+from verl_tide.trainer import boundary, checkpoint, elastic_setup, lending, resize, rollout_pool, verl_compat
 from verl_tide.trainer.budget_window import BudgetWindowReader
 from verl_tide.trainer.rank_health import RankHealth
 from verl_tide.trainer.ref_path import RefPath
@@ -103,6 +102,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self._restored: Optional[dict] = None  # tide_state.json, applied once the rollout pool exists
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
+        self.resize: Optional[resize.TrainerResize] = None  # ERS's trainer resize (tide.ers.resize_trainer)
+        self._resize_decision: Any = None
+        if self.tide_config.ers.resize_trainer:
+            resize.check_job(config)
 
     @property
     def _groups_per_mini_batch(self) -> int:
@@ -111,30 +114,11 @@ class TideTrainer(PPOTrainerSeparateAsync):
 
     @property
     def quarantined(self) -> dict[int, str]:
-        return self.health.quarantined if self.health is not None else {}
+        return self.health.out_of_service() if self.health is not None else {}
 
     # ---- construction (verl's hooks) ---------------------------------------------------------
     def _build_replay_buffer(self) -> TideReplayBuffer:
-        sampler = self.config.trainer.v1.sampler
-        buffer = TideReplayBuffer(
-            readiness=self.readiness, ledger=self.ledger, clock=self.clock,
-            trainer_mode=self.trainer_mode, trainer_config=self.config.trainer.v1.get("separate_async", {}),
-            max_off_policy_threshold=off_policy_threshold(self.tide_config.max_staleness),
-            max_off_policy_strategy=self.tide_config.staleness_strategy, sampler_kwargs=sampler.sampler_kwargs,
-            refill_fn=self._add_prompts_to_generate,
-            filter_groups_metric=self._resolve_filter_groups_metric(),
-            sync_refill_failed_groups=bool(sampler.get("sync_refill_failed_groups", False)),
-            train_batch_size=int(self.config.data.train_batch_size),
-            # a mini-batch trains as soon as it is ready: verl's 2 s poll would delay each by up to that long
-            poll_interval=self.tide_config.sample_poll_s,
-        )
-        buffer.on_evicted = lambda keys: self.ref.forget_scored(keys)  # built inside verl's __init__, before self.ref
-        buffer.while_waiting = self._while_waiting_for_data
-        if self.tide_config.ctb.enabled:
-            # when each group's last trajectory finished (CTB's router is told), once the rollout pool exists
-            buffer.finish_times = lambda uids: (self.report.group_finish_times(uids, self.clock)
-                                                if getattr(self, "report", None) else {})
-        return buffer
+        return TideReplayBuffer.for_trainer(self)
 
     def _init_dataloader(self):
         super()._init_dataloader()
@@ -144,10 +128,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         self.ref.choose_worker_roles(self.role_worker_mapping, self.mapping)  # set by _setup before this runs
+        if self.tide_config.ers.resize_trainer:  # the Actor's state can leave its group and enter a new one
+            resize.install_actor_worker(self.role_worker_mapping)
 
     def _setup(self):
         layout = self.ref.layout  # actor (and Ref, unless tide's replicas replace it) worker groups, reward loop
+        setup_start = time.perf_counter()
         verl_compat.setup_without_colocated_rollout(self, without_ref=layout.pool_wanted)
+        setup_s = time.perf_counter() - setup_start
         # With lending beside verl's Ref, verl builds one actor/rollout/ref worker: `ref_policy_wg` is the Actor's
         # group, whose Ref role answers `compute_ref_log_prob` (not Ref-in-Actor, which is LoRA's adapter-off pass).
         self.ref.bind(self.actor_rollout_wg, getattr(self, "ref_policy_wg", None), bool(self.ref_in_actor))
@@ -156,6 +144,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if layout.handoff:
             self.ref.start_service()
         self._start_rollout_pool()
+        if self.tide_config.ers.resize_trainer:
+            self.resize = resize.build(self, self.tide_config.ers.resize_move_s, setup_s)
         self._restore_ctb_and_roles()
         if self.elastic is not None and self.tide_config.ra2p.ref_ranks == 0:
             elastic_setup.start_elastic_ref_ranks(self.tide_config, self.elastic, self.rollout_roles)
@@ -309,6 +299,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
         if self.exporter is not None and mode is not None:
             self.exporter.update_from_ra2p(mode.value, share, step_metrics)
         self._elastic_batch = plan.batch_size
+        if self._resize_decision is not None:  # the Actor's group takes or gives back rollout GPUs, then the sync
+            self.resize.apply(self, self._resize_decision, self.global_steps)
+            self._resize_decision = None
         relaunched = self.health.before_sync()
         sync_start = self.clock()
         self.health.sync_weights(self._sync_weights_and_lend, self.rollout_roles)
@@ -319,6 +312,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.budget_window.mark(clocks)
         if self.elastic is not None:
             step_metrics["tide/ers/ref_ready_wait_s"] = self.elastic.after_sync()
+        if self.resize is not None:
+            self.resize.after_sync(self)
         step_metrics.update(self.health.after_sync(dict(relaunched), self.rollout_roles))
         pending = verl_compat.pending_sync_metrics(self)
         pending.update(step_metrics)
@@ -369,7 +364,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             bool(self.use_reference_policy),
             lending.inputs_after_update(self) if self._enable_hybrid_replicas else None,
             self.budget_window.inputs(self.quarantined, clocks, self.report.engine_scrapes)
-            if self.budget_window is not None and clocks is not None else None)
+            if self.budget_window is not None and clocks is not None else None,
+            self.resize.inputs(self.actor_rollout_wg.world_size, self.rollout_roles, self.planner.ers.ideal_batch,
+                               self.total_training_steps - self.global_steps) if self.resize is not None else None)
         context = RoundContext(
             self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
@@ -384,7 +381,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
         result = self.round.run(inputs, context, port)
         self._lend = port.lend_decision
         m.update(port.metrics)
-        m["tide/rollout/ranks_quarantined"] = float(len(self.quarantined))
+        m["tide/rollout/ranks_quarantined"] = float(len(self.health.quarantined))
+        self._resize_decision = port.resize_decision
+        if self.resize is not None:
+            m.update(self.resize.metrics(self.global_steps, self.actor_rollout_wg.world_size, self.clock()))
         m["tide/ra2p/uses_ref"] = float(self.use_reference_policy)
         # cumulative, since the job started: Ref passes, samples scored (ahead), mini-batches without a Ref pass
         m.update({f"tide/ra2p/aggregation_{k}": float(v) for k, v in self.ref.aggregator.counters.as_dict().items()})

@@ -50,6 +50,45 @@ def dispatch_layout(worker_group: Any, mesh: str) -> list[int]:
     return list(info[mesh])
 
 
+def actor_pool_layout(trainer: Any) -> tuple[Any, Any]:
+    """What verl's `PPOTrainer._setup` (0.9.1) built the Actor's pool from (`resource_pool_manager`,
+    `resource_pool_to_cls`: role name -> `RayClassWithInitArgs`), to build it again at another size; and the pool."""
+    from verl.trainer.ppo.utils import Role as VerlRole
+
+    from verl_tide.trainer.actor_group import ActorGroupLayout
+
+    manager = reach(trainer, "resource_pool_manager", "the job's resource pools")
+    pool = manager.get_resource_pool(VerlRole.Actor)
+    classes = dict(reach(trainer, "resource_pool_to_cls", "worker classes per resource pool")[pool])
+    actor = str(VerlRole.Actor)
+    if set(classes) != {actor}:
+        raise RuntimeError(f"ERS's trainer resize rebuilds a pool holding the Actor alone; verl built {sorted(classes)} "
+                           f"in it (tide.ers.resize_trainer: no Ref model, critic or reward model on those GPUs)")
+    if len(pool.store) != 1:
+        raise RuntimeError(f"ERS's trainer resize is built for one node; the Actor's pool spans {pool.store}")
+    layout = ActorGroupLayout(class_dict=classes, actor_role=actor, init_method={actor: "init_model"},
+                              wg_kwargs={"device_name": trainer.config.trainer.device},
+                              max_colocate_count=pool.max_colocate_count)
+    return layout, pool
+
+
+def rebind_actor_group(trainer: Any, actor_wg: Any, pool: Any) -> None:
+    """The trainer's references to the Actor's group and pool (verl 0.9.1: `actor_rollout_wg`, both checkpoint
+    managers' `actor_wg`, the pool manager's and `resource_pool_to_cls`'s entries) moved to a rebuilt group."""
+    from verl.trainer.ppo.utils import Role as VerlRole
+
+    manager = reach(trainer, "resource_pool_manager", "the job's resource pools")
+    name = manager.mapping[VerlRole.Actor]
+    old = manager.resource_pool_dict[name]
+    classes = reach(trainer, "resource_pool_to_cls", "worker classes per resource pool")
+    classes[pool] = classes.pop(old)
+    manager.resource_pool_dict[name] = pool
+    trainer.actor_rollout_wg = actor_wg
+    for attr in ("checkpoint_manager", "standalone_checkpoint_manager"):
+        reach(reach(trainer, attr, "weight sync to rollout"), "actor_wg", "the group weights are sent from")
+        setattr(getattr(trainer, attr), "actor_wg", actor_wg)
+
+
 def step_timing(trainer: Any) -> dict[str, float]:
     """The step's stage timers (`timing_raw`: old_log_prob, update_actor, ...), which verl fills per step."""
     return reach(trainer, "timing_raw", "the step's stage timers")

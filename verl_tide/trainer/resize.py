@@ -1,0 +1,215 @@
+"""ERS's trainer resize in a running job (`tide.ers.resize_trainer`): at the weight-sync boundary the Actor's
+training group takes a standalone rollout replica's GPUs (up) or gives them back (down), as `ers/resize.py`
+decided in the boundary round.
+
+Up: the replica leaves CTB's router, its in-flight requests are aborted with the gate rejecting (verl's
+partial-rollout client re-sends each, prompt plus tokens so far, to another rank: nothing is lost), it leaves the
+checkpoint engine, its processes stop and its placement group is removed; then the Actor's group is rebuilt over
+one more replica's GPUs with its state carried (`trainer/actor_group.py`). Down: the Actor's group is rebuilt
+smaller first, then the replica is launched again in its own pool (`rollout_restart.relaunch_replica`), joins the
+checkpoint engine before the sync (which gives it the current weights) and the router after it.
+
+The seconds the training stopped for, measured, become the next decision's `move_s`. Thin verl adapter; the
+reach into verl's trainer attributes is `verl_compat.actor_pool_layout`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import ray
+
+from verl_tide.ers.policy import Role
+from verl_tide.ers.resize import ResizeDecision, ResizeInputs
+from verl_tide.trainer import actor_group, verl_compat
+from verl_tide.trainer.actor_group import ActorGroupLayout, ResizeTimes
+
+
+@dataclass
+class AppliedResize:
+    step: int
+    actor_from: int
+    actor_to: int
+    ranks: list[int]  # rollout ranks whose GPUs moved
+    rollout_s: float  # replicas released (up) or launched again (down)
+    times: ResizeTimes
+    reason: str
+
+    @property
+    def total_s(self) -> float:
+        return self.rollout_s + self.times.total_s
+
+    def text(self) -> str:
+        t = self.times
+        verb = "released" if self.actor_to > self.actor_from else "launched again"
+        return (f"ERS resized the Actor's group {self.actor_from} -> {self.actor_to} GPU(s) after step {self.step} in "
+                f"{self.total_s:.1f} s (state out {t.export_s:.1f}, old group stopped {t.stop_s:.1f}, new group built "
+                f"{t.build_s:.1f}, state in {t.import_s:.1f}; rollout rank(s) {self.ranks} {verb} "
+                f"{self.rollout_s:.1f}): {self.reason}")
+
+
+@dataclass
+class TrainerResize:
+    """The Actor's group as ERS resizes it, and the rollout ranks whose GPUs it holds."""
+
+    layout: ActorGroupLayout
+    pool: Any  # the Actor's current `RayResourcePool`
+    move_s: float  # what the next decision assumes a resize costs (measured after the first)
+    mini_batch: int  # sequences per PPO mini-batch: the Actor's GPU count must divide it
+    start_gpus: int  # the Actor's GPUs at start-up: a down move gives back only GPUs taken from rollout
+    training_ranks: list[int] = field(default_factory=list)  # rollout ranks now in the Actor's group, in order
+    applied: list[AppliedResize] = field(default_factory=list)
+    _rejoin: list[int] = field(default_factory=list)
+    timeout_s: float = 120.0
+    cycles: list[tuple[int, int, float]] = field(default_factory=list)  # (step, Actor GPUs, boundary to boundary s)
+    _last_boundary: Optional[float] = None
+
+    def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int) -> ResizeInputs:
+        rollout = sum(r is Role.ROLLOUT for r in roles.values())
+        return ResizeInputs(rollout_gpus=rollout, actor_gpus=actor_gpus, batch=batch, move_s=self.move_s,
+                            steps_left=steps_left, mini_batch=self.mini_batch, actor_floor=self.start_gpus)
+
+    def apply(self, trainer: Any, decision: ResizeDecision, step: int) -> AppliedResize:
+        """The move to `decision.actor_gpus`; call after the update, before `before_sync`."""
+        actor = trainer.actor_rollout_wg
+        a0, a1 = actor.world_size, decision.actor_gpus
+        replicas = trainer.standalone_server_manager.get_replicas()
+        begin = start = time.perf_counter()
+        if a1 > a0:
+            ranks = [r for r in sorted(trainer.rollout_roles, reverse=True)
+                     if trainer.rollout_roles[r] is Role.ROLLOUT][: a1 - a0]
+            for rank in ranks:
+                self._release(trainer, rank, replicas[rank])
+            rollout_s = time.perf_counter() - start
+            views, self.pool, times = actor_group.resize_actor_group(self.layout, self._views(trainer), self.pool, a1)
+        else:
+            views, self.pool, times = actor_group.resize_actor_group(self.layout, self._views(trainer), self.pool, a1)
+            ranks = self.training_ranks[-(a0 - times.world_to):] if times.world_to < a0 else []
+            start = time.perf_counter()
+            for rank in ranks:
+                self._launch_again(trainer, rank, replicas[rank])
+            rollout_s = time.perf_counter() - start
+        verl_compat.rebind_actor_group(trainer, views[self.layout.actor_role], self.pool)
+        trainer.ref.bind(trainer.actor_rollout_wg, getattr(trainer, "ref_policy_wg", None), bool(trainer.ref_in_actor))
+        done = AppliedResize(step, a0, times.world_to, ranks, rollout_s, times, decision.reason)
+        self.applied.append(done)
+        self.move_s = done.total_s
+        verl_compat.step_timing(trainer)["tide_resize"] = time.perf_counter() - begin
+        print(f"verl-tide: {done.text()}", flush=True)
+        return done
+
+    def after_sync(self, trainer: Any) -> None:
+        """Ranks launched again hold this sync's weights: they take tasks again."""
+        if not self._rejoin:
+            return
+        replicas = trainer.standalone_server_manager.get_replicas()
+        servers = {replicas[r].server_address: verl_compat.server_handle(replicas[r]) for r in self._rejoin}
+        ray.get(verl_compat.load_balancer(trainer.standalone_server_manager).add_servers.remote(servers),
+                timeout=self.timeout_s)
+        for rank in self._rejoin:
+            trainer.rollout_roles[rank] = Role.ROLLOUT
+        self._rejoin = []
+
+    def metrics(self, step: int, actor_gpus: int, now: float) -> dict[str, float]:
+        """The step's resize metrics, at its boundary (`now`: the trainer's clock); the step cycle (boundary to
+        boundary) is logged beside the cycles before the last resize for three steps after it."""
+        m = {"tide/ers/actor_gpus": float(actor_gpus), "tide/ers/resizes": float(len(self.applied)),
+             "tide/ers/resize_move_s": float(self.move_s)}
+        if self._last_boundary is not None:
+            cycle = now - self._last_boundary
+            self.cycles.append((step, actor_gpus, cycle))
+            m["tide/ers/cycle_s"] = cycle
+            self._report_cycle(step, actor_gpus, cycle)
+        self._last_boundary = now
+        if self.applied:
+            last = self.applied[-1]
+            m.update(last.times.as_metrics())
+            m["tide/ers/resize_rollout_s"] = last.rollout_s
+        return m
+
+    def _report_cycle(self, step: int, actor_gpus: int, cycle: float) -> None:
+        if not self.applied or not 0 < step - self.applied[-1].step <= 3:
+            return
+        last = self.applied[-1]
+        before = [c for s, _, c in self.cycles if last.step - 3 < s <= last.step]
+        note = " (this cycle includes the resize)" if step == last.step + 1 else ""
+        mean = f"{sum(before) / len(before):.2f} s" if before else "not measured"
+        print(f"verl-tide step {step}: step cycle {cycle:.2f} s on {actor_gpus} Actor GPU(s){note}; before the resize "
+              f"to {last.actor_to}, {mean} on {last.actor_from} (mean of the last {len(before)})", flush=True)
+
+    def _views(self, trainer: Any) -> dict[str, Any]:
+        return {self.layout.actor_role: trainer.actor_rollout_wg}
+
+    def _release(self, trainer: Any, rank: int, replica: Any) -> None:
+        from verl_tide.rollout_restart import stop_replica
+        from ray.util.placement_group import remove_placement_group
+
+        balancer = verl_compat.load_balancer(trainer.standalone_server_manager)
+        ray.get(balancer.remove_servers.remote([replica.server_address]), timeout=self.timeout_s)
+        ray.get([s.abort_all_requests.remote(reject_request=True) for s in replica.servers], timeout=self.timeout_s)
+        trainer.standalone_checkpoint_manager.remove_replicas([replica])
+        stop_replica(replica)
+        for pg in replica.resource_pool.pgs or []:
+            remove_placement_group(pg)
+        replica.resource_pool.pgs = None  # verl's pool makes it again when the replica is launched again
+        trainer.rollout_roles.pop(rank, None)
+        trainer.health.training_ranks.add(rank)
+        self.training_ranks.append(rank)
+
+    def _launch_again(self, trainer: Any, rank: int, replica: Any) -> None:
+        from verl_tide.rollout_restart import new_rollout_workers, relaunch_replica
+
+        error: list[BaseException] = []
+
+        def launch() -> None:  # verl's launch_servers runs an event loop of its own: not on this thread's
+            try:
+                relaunch_replica(replica, lambda r: new_rollout_workers(r, f"rollout_standalone_{rank}_resize"
+                                                                          f"{len(self.applied)}"))
+            except BaseException as e:
+                error.append(e)
+
+        thread = threading.Thread(target=launch, name=f"tide-resize-rank-{rank}")
+        thread.start()
+        thread.join()
+        if error:
+            raise RuntimeError(f"ERS's trainer resize: rollout rank {rank} did not launch again") from error[0]
+        trainer.standalone_checkpoint_manager.add_replicas([replica])  # the coming sync gives it the weights
+        trainer.health.training_ranks.discard(rank)
+        self.training_ranks.remove(rank)
+        self._rejoin.append(rank)
+
+
+def check_job(config: Any) -> None:
+    """A job ERS cannot resize stops before Ray starts work, naming the keys (`job_config.resize_blockers`)."""
+    from verl_tide.core.config import TideConfigError
+    from verl_tide.job_config import resize_blockers
+
+    if resize_blockers(config):
+        raise TideConfigError(resize_blockers(config))
+
+
+def install_actor_worker(role_worker_mapping: dict) -> None:
+    """The Actor role's worker with the state-transfer methods (`ers/resize_worker.py`), before verl builds it."""
+    from verl.trainer.ppo.utils import Role as VerlRole
+
+    from verl_tide.core.config import TideConfigError
+    from verl_tide.ers.resize_worker import ResizableActorWorker
+
+    if VerlRole.Actor not in role_worker_mapping:
+        raise TideConfigError([f"tide.ers.resize_trainer = true: verl built no separate Actor role "
+                               f"({sorted(map(str, role_worker_mapping))})"])
+    role_worker_mapping[VerlRole.Actor] = ray.remote(ResizableActorWorker)
+
+
+def build(trainer: Any, move_s: Optional[float], setup_s: float) -> TrainerResize:
+    """The resize for a job whose verl `_setup` has run; `move_s` from `tide.ers.resize_move_s`, else the seconds
+    the Actor's setup took (a rebuild does the same work plus the state's way out and in)."""
+    layout, pool = verl_compat.actor_pool_layout(trainer)
+    config = trainer.config
+    mini_batch = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
+    return TrainerResize(layout, pool, float(setup_s if move_s is None else move_s), mini_batch,
+                         trainer.actor_rollout_wg.world_size)
+
