@@ -210,6 +210,10 @@ def build(trainer: Any, move_s: Optional[float], setup_s: float) -> TrainerResiz
     layout, pool = verl_compat.actor_pool_layout(trainer)
     config = trainer.config
     mini_batch = int(config.actor_rollout_ref.actor.ppo_mini_batch_size) * int(config.actor_rollout_ref.rollout.n)
-    return TrainerResize(layout, pool, float(setup_s if move_s is None else move_s), mini_batch,
-                         trainer.actor_rollout_wg.world_size)
+    assumed = float(setup_s if move_s is None else move_s)
+    print(f"verl-tide: ERS may resize the Actor's group (tide.ers.resize_trainer); a move is assumed to stop "
+          f"training {assumed:.1f} s until one is measured ("
+          + ("tide.ers.resize_move_s" if move_s is not None else "the worker groups' set-up at start-up") + ")",
+          flush=True)
+    return TrainerResize(layout, pool, assumed, mini_batch, trainer.actor_rollout_wg.world_size)
 
