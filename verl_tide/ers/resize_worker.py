@@ -69,6 +69,28 @@ class TrainStateTransfer:
 
 
 
+RESHARDED_DIR = "tide_train_state"  # in verl's `global_step_N/actor`: the state at any world size (torch DCP)
+
+
 class ResizableActorWorker(TrainStateTransfer, DetachActorWorker):
     """separate_async's Actor worker with the transfer methods: trainer `tide` installs it for the Actor role when
     `tide.ers.resize_trainer` is on."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        """verl's load; or, where verl's per-rank files are of another world size (saved while ERS had resized the
+        Actor's group), the re-sharding copy trainer `tide` wrote beside them (`RESHARDED_DIR`). verl 0.9.1 names
+        its files `model_world_size_{N}_rank_{r}.pt` and loads only at N."""
+        import os
+
+        import torch.distributed as dist
+
+        resharded = os.path.join(local_path, RESHARDED_DIR) if local_path else ""
+        own = os.path.join(local_path or "", f"model_world_size_{dist.get_world_size()}_rank_0.pt")
+        if local_path and os.path.isdir(resharded) and not os.path.exists(own):
+            with _Resident(training_engine(self)) as engine:
+                train_state.load_train_state(engine.module, engine.optimizer, engine.lr_scheduler, resharded)
+            print(f"verl-tide: the Actor's state loaded at {dist.get_world_size()} rank(s) from {resharded} (saved "
+                  f"at another size by ERS's trainer resize)", flush=True)
+            return None
+        return DetachActorWorker.load_checkpoint(self, local_path, hdfs_path, del_local_after_load)

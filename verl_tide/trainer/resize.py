@@ -60,6 +60,7 @@ class TrainerResize:
     move_s: float  # what the next decision assumes a resize costs (measured after the first)
     mini_batch: int  # sequences per PPO mini-batch: the Actor's GPU count must divide it
     start_gpus: int  # the Actor's GPUs at start-up: a down move gives back only GPUs taken from rollout
+    gpus_per_replica: int = 1  # a rollout replica's GPUs (verl's `RolloutReplica.world_size`): moves go in these
     training_ranks: list[int] = field(default_factory=list)  # rollout ranks now in the Actor's group, in order
     applied: list[AppliedResize] = field(default_factory=list)
     _rejoin: list[int] = field(default_factory=list)
@@ -68,9 +69,10 @@ class TrainerResize:
     _last_boundary: Optional[float] = None
 
     def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int) -> ResizeInputs:
-        rollout = sum(r is Role.ROLLOUT for r in roles.values())
+        rollout = self.gpus_per_replica * sum(r is Role.ROLLOUT for r in roles.values())
         return ResizeInputs(rollout_gpus=rollout, actor_gpus=actor_gpus, batch=batch, move_s=self.move_s,
-                            steps_left=steps_left, mini_batch=self.mini_batch, actor_floor=self.start_gpus)
+                            steps_left=steps_left, mini_batch=self.mini_batch, actor_floor=self.start_gpus,
+                            gpus_per_replica=self.gpus_per_replica)
 
     def apply(self, trainer: Any, decision: ResizeDecision, step: int) -> AppliedResize:
         """The move to `decision.actor_gpus`; call after the update, before `before_sync`."""
@@ -80,14 +82,18 @@ class TrainerResize:
         begin = start = time.perf_counter()
         if a1 > a0:
             ranks = [r for r in sorted(trainer.rollout_roles, reverse=True)
-                     if trainer.rollout_roles[r] is Role.ROLLOUT][: a1 - a0]
+                     if trainer.rollout_roles[r] is Role.ROLLOUT][: (a1 - a0) // self.gpus_per_replica]
             for rank in ranks:
                 self._release(trainer, rank, replicas[rank])
             rollout_s = time.perf_counter() - start
             views, self.pool, times = actor_group.resize_actor_group(self.layout, self._views(trainer), self.pool, a1)
+            if times.world_to == a0:  # the group could not grow and was rebuilt as it was: rollout gets them back
+                for rank in ranks:
+                    self._launch_again(trainer, rank, replicas[rank])
         else:
             views, self.pool, times = actor_group.resize_actor_group(self.layout, self._views(trainer), self.pool, a1)
-            ranks = self.training_ranks[-(a0 - times.world_to):] if times.world_to < a0 else []
+            given_back = (a0 - times.world_to) // self.gpus_per_replica
+            ranks = self.training_ranks[-given_back:] if given_back else []
             start = time.perf_counter()
             for rank in ranks:
                 self._launch_again(trainer, rank, replicas[rank])
@@ -129,6 +135,16 @@ class TrainerResize:
             m.update(last.times.as_metrics())
             m["tide/ers/resize_rollout_s"] = last.rollout_s
         return m
+
+    def save_resharded(self, trainer: Any, step_folder: str) -> None:
+        """Beside verl's checkpoint (written per rank at the Actor's current size), while the Actor holds rollout
+        GPUs: a copy any size can load, so the job resumes at the split it started with."""
+        import os
+
+        from verl_tide.ers.resize_worker import RESHARDED_DIR
+
+        if trainer.actor_rollout_wg.world_size != self.start_gpus:
+            trainer.actor_rollout_wg.export_train_state(os.path.join(step_folder, "actor", RESHARDED_DIR))
 
     def _report_cycle(self, step: int, actor_gpus: int, cycle: float) -> None:
         if not self.applied or not 0 < step - self.applied[-1].step <= 3:
@@ -182,17 +198,21 @@ class TrainerResize:
         self._rejoin.append(rank)
 
 
-def check_job(config: Any) -> None:
-    """A job ERS cannot resize stops before Ray starts work, naming the keys (`job_config.resize_blockers`)."""
+def check_job(config: Any, tide_config: Any) -> None:
+    """With `tide.ers.resize_trainer`, a job ERS cannot resize stops before Ray starts work, naming the keys
+    (`job_config.resize_blockers`)."""
     from verl_tide.core.config import TideConfigError
     from verl_tide.job_config import resize_blockers
 
-    if resize_blockers(config):
+    if tide_config.ers.resize_trainer and resize_blockers(config):
         raise TideConfigError(resize_blockers(config))
 
 
-def install_actor_worker(role_worker_mapping: dict) -> None:
-    """The Actor role's worker with the state-transfer methods (`ers/resize_worker.py`), before verl builds it."""
+def install_actor_worker(role_worker_mapping: dict, tide_config: Any) -> None:
+    """With `tide.ers.resize_trainer`, the Actor role's worker with the state-transfer methods
+    (`ers/resize_worker.py`), before verl builds it: the Actor's state can leave its group and enter a new one."""
+    if not tide_config.ers.resize_trainer:
+        return
     from verl.trainer.ppo.utils import Role as VerlRole
 
     from verl_tide.core.config import TideConfigError
@@ -215,5 +235,7 @@ def build(trainer: Any, move_s: Optional[float], setup_s: float) -> TrainerResiz
           f"training {assumed:.1f} s until one is measured ("
           + ("tide.ers.resize_move_s" if move_s is not None else "the worker groups' set-up at start-up") + ")",
           flush=True)
-    return TrainerResize(layout, pool, assumed, mini_batch, trainer.actor_rollout_wg.world_size)
+    replicas = trainer.standalone_server_manager.get_replicas()
+    return TrainerResize(layout, pool, assumed, mini_batch, trainer.actor_rollout_wg.world_size,
+                         int(replicas[0].world_size) if replicas else 1)
 

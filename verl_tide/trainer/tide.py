@@ -21,6 +21,7 @@ rollout (`evaluation.py`); the goodput ledger and readiness arrivals are kept by
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -103,9 +104,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
         self.overlapped_eval: Optional[OverlappedEvaluation] = None
         self.elastic: Any = None  # ERS's elastic ranks (ers/elastic.py); with tide's Ref pool only
         self.resize: Optional[resize.TrainerResize] = None  # ERS's trainer resize (tide.ers.resize_trainer)
-        self._resize_decision: Any = None
-        if self.tide_config.ers.resize_trainer:
-            resize.check_job(config)
+        self._resize_decision: Any = None  # the last round's, applied before the sync
+        resize.check_job(config, self.tide_config)
 
     @property
     def _groups_per_mini_batch(self) -> int:
@@ -128,8 +128,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         self.ref.choose_worker_roles(self.role_worker_mapping, self.mapping)  # set by _setup before this runs
-        if self.tide_config.ers.resize_trainer:  # the Actor's state can leave its group and enter a new one
-            resize.install_actor_worker(self.role_worker_mapping)
+        resize.install_actor_worker(self.role_worker_mapping, self.tide_config)  # with tide.ers.resize_trainer
 
     def _setup(self):
         layout = self.ref.layout  # actor (and Ref, unless tide's replicas replace it) worker groups, reward loop
@@ -171,8 +170,10 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _save_checkpoint(self):
         super()._save_checkpoint()  # actor, dataloader, TransferQueue (ready and in-flight groups)
         ctb = rollout_pool.ctb_state(self.standalone_server_manager) if self.tide_config.ctb.enabled else None
-        checkpoint.save_state(self.config.trainer, self.global_steps, checkpoint.tide_state(
+        folder = checkpoint.save_state(self.config.trainer, self.global_steps, checkpoint.tide_state(
             self.global_steps, self.ledger, ctb, self.planner.ers, self.rollout_roles, self.ref.aggregator))
+        if self.resize is not None:  # the Actor's state at any size, while it holds rollout GPUs
+            self.resize.save_resharded(self, os.path.dirname(folder))
 
     def _load_checkpoint(self):
         super()._load_checkpoint()
