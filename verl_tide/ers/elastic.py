@@ -94,14 +94,11 @@ class ElasticRanks:
 
     def _rollout_to_ref(self, rank: int) -> int:
         replica = self.replicas[rank]
-        ray.get(self.balancer.remove_servers.remote([replica.server_address]), timeout=self.timeout_s)
-        aborted = ray.get([s.abort_all_requests.remote(reject_request=True) for s in replica.servers],
-                          timeout=self.timeout_s)
-        self.checkpoint_manager.remove_replicas([replica])
+        resent = drain_replica(replica, self.balancer, self.checkpoint_manager, self.timeout_s)
         ray.get([s.release_kv_cache.remote() for s in replica.servers], timeout=self.timeout_s)
         self.ref_pool.add_replica(self.ref_key(rank), self.ref_options(replica))
         self._joining_ref.append(rank)
-        return sum(int((a or {}).get("aborted_count", 0)) for a in aborted)
+        return resent
 
     def _ref_to_rollout(self, rank: int) -> None:
         replica = self.replicas[rank]
@@ -109,3 +106,13 @@ class ElasticRanks:
         ray.get([s.resume_kv_cache.remote() for s in replica.servers], timeout=self.timeout_s)
         self.checkpoint_manager.add_replicas([replica])
         self._rejoin.append(rank)
+
+
+def drain_replica(replica: Any, balancer: Any, checkpoint_manager: Any, timeout_s: float) -> int:
+    """A rollout replica out of routing (CTB hands its tasks back), its in-flight requests aborted with the gate
+    rejecting (verl's partial-rollout client re-sends each elsewhere) and out of the weight syncs; returns the
+    requests aborted. Where a rank leaves rollout: to Ref here, to the Actor's group (`trainer/resize.py`)."""
+    ray.get(balancer.remove_servers.remote([replica.server_address]), timeout=timeout_s)
+    aborted = ray.get([s.abort_all_requests.remote(reject_request=True) for s in replica.servers], timeout=timeout_s)
+    checkpoint_manager.remove_replicas([replica])
+    return sum(int((a or {}).get("aborted_count", 0)) for a in aborted)

@@ -1,6 +1,6 @@
 """The Actor worker's side of ERS's trainer resize: its training state out of one FSDP group and into another of a
-different size (`ers/train_state.py` does the torch part). Mixed into the Actor's worker class (trainer `tide`
-installs `TideActorWorker`, which has it); thin verl adapter.
+different size (`ers/train_state.py` does the torch part). Mixed into the Actor's worker class
+(`ResizableActorWorker`, which trainer `tide` installs with `tide.ers.resize_trainer`); thin verl adapter.
 
 verl 0.9.1 keeps the engine at `ActorRolloutRefWorker.actor.engine` (a `TrainingWorker`'s `.engine`); its public
 `module`, `optimizer`, `lr_scheduler` and `to(...)` are all this uses.
@@ -68,7 +68,6 @@ class TrainStateTransfer:
             return digest
 
 
-
 RESHARDED_DIR = "tide_train_state"  # in verl's `global_step_N/actor`: the state at any world size (torch DCP)
 
 
@@ -88,8 +87,7 @@ class ResizableActorWorker(TrainStateTransfer, DetachActorWorker):
         resharded = os.path.join(local_path, RESHARDED_DIR) if local_path else ""
         own = os.path.join(local_path or "", f"model_world_size_{dist.get_world_size()}_rank_0.pt")
         if local_path and os.path.isdir(resharded) and not os.path.exists(own):
-            with _Resident(training_engine(self)) as engine:
-                train_state.load_train_state(engine.module, engine.optimizer, engine.lr_scheduler, resharded)
+            TrainStateTransfer.import_train_state(self, resharded)
             print(f"verl-tide: the Actor's state loaded at {dist.get_world_size()} rank(s) from {resharded} (saved "
                   f"at another size by ERS's trainer resize)", flush=True)
             return None

@@ -160,13 +160,13 @@ class TrainerResize:
         return {self.layout.actor_role: trainer.actor_rollout_wg}
 
     def _release(self, trainer: Any, rank: int, replica: Any) -> None:
-        from verl_tide.rollout_restart import stop_replica
         from ray.util.placement_group import remove_placement_group
 
-        balancer = verl_compat.load_balancer(trainer.standalone_server_manager)
-        ray.get(balancer.remove_servers.remote([replica.server_address]), timeout=self.timeout_s)
-        ray.get([s.abort_all_requests.remote(reject_request=True) for s in replica.servers], timeout=self.timeout_s)
-        trainer.standalone_checkpoint_manager.remove_replicas([replica])
+        from verl_tide.ers.elastic import drain_replica
+        from verl_tide.rollout_restart import stop_replica
+
+        drain_replica(replica, verl_compat.load_balancer(trainer.standalone_server_manager),
+                      trainer.standalone_checkpoint_manager, self.timeout_s)
         stop_replica(replica)
         for pg in replica.resource_pool.pgs or []:
             remove_placement_group(pg)
