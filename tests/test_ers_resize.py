@@ -89,11 +89,24 @@ def test_a_split_the_run_measured_worse_bounds_the_search_and_stops_the_walk_bac
 
 def test_a_target_beyond_the_best_measured_split_stops_there_first():
     resizer = TrainerResizer()
-    resizer._measured = {20: [3.0], 24: [2.0]}  # 20 measured best, 24 worse: the peak is below 24
+    resizer._measured = {20: [(300, 100.0)], 24: [(200, 100.0)]}  # 20 measured best, 24 worse: the peak is below 24
     starved = _signals(trainer_wait_s=80.0, rollout_capacity_rate=1.0)  # the model says: far fewer Actor GPUs
     assert target_split(starved, _inputs(rollout_gpus=8, actor_gpus=24))[0] < 20
     d = [resizer.decide(starved, _inputs(rollout_gpus=8, actor_gpus=24)) for _ in range(2)][-1]
     assert d.actor_gpus == 20 and "measured best on the way" in d.reason
+
+
+def test_a_split_s_measured_rate_is_its_sequences_over_its_seconds_when_cycles_alternate():
+    """Groups that arrive together make cycles alternate long and short at one split (200 sequences in 20 s, then
+    in 380 s: 1.0 seq/s over the clock); another split runs even 160 s cycles (1.25 seq/s). A mean of per-cycle
+    rates (10 and 0.53 -> 5.3) would rank the alternating split first and keep the job there."""
+    resizer = TrainerResizer(cooldown=0)
+    for cycle_s in (20.0, 380.0, 20.0, 380.0):
+        resizer.decide(_signals(cycle_s=cycle_s), _inputs())
+    for _ in range(4):
+        resizer.decide(_signals(cycle_s=160.0), _inputs(rollout_gpus=16, actor_gpus=16))
+    assert resizer.measured_rate(8) == 1.0 and resizer.measured_rate(16) == 1.25
+    assert resizer.best_measured() == 16
 
 
 def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trains_faster():

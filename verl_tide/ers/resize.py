@@ -99,11 +99,13 @@ class TrainerResizer:
     memory: int = 4  # measured cycles kept per split (the newest: a run's phases change what a split gives)
     _recent: list[Optional[int]] = field(default_factory=list)
     _since_move: int = 1 << 30
-    _measured: dict[int, list[float]] = field(default_factory=dict)  # Actor GPUs -> sequences per cycle second
+    _measured: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # Actor GPUs -> (batch, cycle s)
 
     def measured_rate(self, actor_gpus: int) -> Optional[float]:
-        rates = self._measured.get(actor_gpus)
-        return sum(rates) / len(rates) if rates else None
+        """Sequences over the summed cycle seconds at this split: a mean of per-cycle rates would favour the short
+        cycles where long and short ones alternate (groups that arrive together, a slow environment)."""
+        cycles = self._measured.get(actor_gpus)
+        return sum(b for b, _ in cycles) / sum(s for _, s in cycles) if cycles else None
 
     def best_measured(self) -> Optional[int]:
         rates = {a: self.measured_rate(a) for a in self._measured}
@@ -135,7 +137,7 @@ class TrainerResizer:
         a0 = inputs.actor_gpus
         self._since_move += 1
         if not eval_cycle and signals.cycle_s and self._since_move > self.cooldown:
-            self._measured[a0] = [*self._measured.get(a0, []), inputs.batch / signals.cycle_s][-self.memory:]
+            self._measured[a0] = [*self._measured.get(a0, []), (inputs.batch, signals.cycle_s)][-self.memory:]
         # an evaluation starves the trainer by design: its cycle says nothing
         target = None if eval_cycle else target_split(signals, inputs, self.bracket())
         if target is not None:
@@ -153,7 +155,9 @@ class TrainerResizer:
                                             f"{self.confirm} cycles")
         if self._since_move <= self.cooldown:
             return ResizeDecision(a0, gain, f"not yet: {self._since_move} cycle(s) since the last move")
-        saved = signals.cycle_s * (1 - 1 / (1 + gain)) * inputs.steps_left  # a cycle shorter by the gain, each step
+        # a cycle shorter by the gain, each step; the cycle as this split measured it, else the last one
+        cycle_s = inputs.batch / self.measured_rate(a0) if self.measured_rate(a0) else signals.cycle_s
+        saved = cycle_s * (1 - 1 / (1 + gain)) * inputs.steps_left
         if saved <= inputs.move_s:
             return ResizeDecision(a0, gain, f"no move: {why}; {saved:.1f}s saved over {inputs.steps_left} steps "
                                             f"does not repay a {inputs.move_s:.1f}s resize")
