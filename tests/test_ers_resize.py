@@ -125,7 +125,8 @@ def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trai
     assert sim.resizes and sim.resizes[0][2] > sim.resizes[0][1] == 4  # (step, from, to, stall, why)
     assert all(stall > 0 for *_, stall, _ in sim.resizes)
     assert resized.goodput_tok_s > 1.2 * fixed.goodput_tok_s
-    assert resized.ledger["consumed_sequences"] == w.steps * sim.M * sim.mb_size  # every step trained in full
+    assert resized.ledger["consumed_sequences"] == sim.consumed_sequences  # every sequence a step trained counted
+    assert all(r.micro_batches for r in sim.step_records) and sim.consumed_steps == w.steps
     assert sim.ledger.check(sim.sequences_held()) is None  # the ledger balances across the resizes
     decided = [rec.decision["resize"] for rec in sim.planner.trace if "resize" in getattr(rec, "decision", {})]
     assert decided and any(reason.startswith("resize") for _, reason in decided)

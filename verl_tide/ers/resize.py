@@ -88,6 +88,35 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
                         f"{trainer_rate:.2f} seq/s on {a0}")
 
 
+def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[float, float] = (0, float("inf")),
+                measured: frozenset[int] = frozenset(), trainer_wait_share: float = 0.25
+                ) -> Optional[tuple[int, float, str]]:
+    """(Actor GPUs, gain, why) for a move toward rollout that the model cannot predict; None where there is none.
+
+    The model gives an unsaturated rollout nothing from more ranks, yet a trainer that waits a good share of the
+    cycle for it says rollout bounds the cycle, and more engines may still help it (shorter decode steps on smaller
+    batches, more trajectories at once beside a slow environment: the simulator's OSWorld from an even split gains
+    12% at 0.625). So a quarter of the Actor's GPUs go to rollout once, at a split the run has not measured and
+    inside the bracket; the gain assumes rollout scales with its GPUs (an upper bound), and the cycles measured
+    after the move decide whether it stays."""
+    cycle_s, twt, rate = signals.cycle_s, signals.trainer_wait_s, signals.rollout_capacity_rate
+    r0, a0, g = inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica
+    if not cycle_s or not rate or r0 < g or twt < trainer_wait_share * cycle_s:
+        return None
+    step = max(g, (a0 // 4) // g * g)
+    sizes = [a for a in range(a0 - step, inputs.actor_floor - 1, -g) if within[0] < a < within[1]
+             and a not in measured and (inputs.mini_batch is None or inputs.mini_batch % a == 0)]
+    if not sizes:
+        return None
+    to = sizes[0]
+    trainer_rate = inputs.batch / max(cycle_s - twt, 0.05 * cycle_s)
+    rollout_now = signals.rollout_rate_with(r0 // g, r0 // g) or rate
+    now = min(rollout_now, trainer_rate)
+    at = min(rollout_now * (r0 + a0 - to) / r0, trainer_rate * to / a0)
+    return to, at / now - 1 if now > 0 else 0.0, (f"rollout bounds the cycle (the trainer waited {twt:.0f} of "
+                                                  f"{cycle_s:.0f} s) and was not saturated: {to} GPU(s) tried")
+
+
 @dataclass
 class TrainerResizer:
     """The resize decision with the state it carries between boundaries (recent targets, the last move)."""
@@ -142,6 +171,8 @@ class TrainerResizer:
         target = None if eval_cycle else target_split(signals, inputs, self.bracket())
         if target is not None:
             target = self._overruled_by_the_run(target, a0)
+        if target is not None and (target[0] == a0 or target[1] < self.min_gain):
+            target = probe_split(signals, inputs, self.bracket(), frozenset(self._measured)) or target
         wanted = target[0] if target is not None and target[1] >= self.min_gain and target[0] != a0 else None
         self._recent = [*self._recent, wanted][-self.window:]
         if target is None:

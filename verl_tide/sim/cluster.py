@@ -35,6 +35,7 @@ from verl_tide.boundary.planner import BoundaryPlanner
 from verl_tide.core.readiness import ReadinessTracker
 from verl_tide.ctb.policy import CTBScheduler, TaskState
 from verl_tide.ers.advice import SplitAdvice
+from verl_tide.ers.policy import ERSPolicy
 from verl_tide.ra2p.cost import RA2PMode, StageTimes, next_step_mode
 from verl_tide.sim.boundary import SimBoundaryPort
 from verl_tide.sim.engine import Request, RolloutRank
@@ -63,6 +64,7 @@ class Simulation:
         self.B = workload.groups_for(gpus) * workload.group_size
         self.t = self.costs.start_s  # the clock runs from the first request; nothing is served before start_s
         self.consumed_steps = 0
+        self.consumed_sequences = 0
         self.step_records: list[StepRecord] = []
         self.rwt_gpu_s = self.twt_gpu_s = 0.0
         self.rwt_sync_gpu_s = 0.0  # part of RWT: paused by weight syncs (the rest: out of work)
@@ -83,10 +85,8 @@ class Simulation:
         self.rollout = Rollout(self, {r: RolloutRank(r, cap, self.costs) for r in range(n_rollout)},
                                CTBScheduler(tide_ctb, {r: cap for r in range(n_rollout)}) if spec.routing == "ctb" else None)
         self.ref_ranks: list[int] = []
-        # M micro-batches of equal size per step, M * mb_size <= B (the few left over wait for the next step)
-        self.M = max(1, math.ceil(self.B / (self.actor_ranks * spec.micro_batch_per_gpu)))
-        self.mb_size = self.B // self.M
-        self.per_mini_batch = max(1, math.ceil(self.M / spec.parameter_sync_step))  # mini_batch: verl's PPO mini-batch
+        self._size_micro_batches()
+        self._resized_since_sizing = False  # the Actor's group changed size: micro-batches sized again once none waits
         # the trainer's GPUs rolling out: verl's hybrid replicas (its own rule, sim/stock.py) or tide's lending
         self.hybrid = HybridReplicas(range(gpus - self.actor_ranks, gpus), hybrid_switch(
             spec.hybrid_switch, self.B, spec.parameter_sync_step, gpus, n_rollout, spec.poll_s) if spec.hybrid else None)
@@ -115,6 +115,24 @@ class Simulation:
         self.boundary = SimBoundaryPort(self, eval_in_first_cycle=workload.is_eval_step(0))
 
     # ---- the trainer -----------------------------------------------------------------------
+    def _size_micro_batches(self) -> None:
+        """M micro-batches of equal size per step, M * mb_size <= B (the few left over wait for the next step): one
+        micro-batch is `micro_batch_per_gpu` sequences on each of the Actor's GPUs, so a resized group has its own."""
+        self.M = max(1, math.ceil(self.B / (self.actor_ranks * self.spec.micro_batch_per_gpu)))
+        self.mb_size = self.B // self.M
+        self.per_mini_batch = max(1, math.ceil(self.M / self.spec.parameter_sync_step))  # verl's PPO mini-batch
+
+    def size_micro_batches_after_resize(self) -> None:
+        """After a resize, once no formed micro-batch waits (they keep the size they were formed at): the new
+        group's size, the next step's elastic batch in the same sequences."""
+        if not self._resized_since_sizing or self.rollout.micro_batches or self.step_open is not None:
+            return
+        sequences = self._step_M * self.mb_size
+        self._size_micro_batches()
+        self._step_M = ERSPolicy.mini_batches(sequences, self.mb_size, self.M)
+        self._resized_since_sizing = False
+        self.rollout.form_micro_batches()
+
     def _stage_times(self, tokens_per_mb: float, ref_ranks: int = 0) -> StageTimes:
         """Per global micro-batch: Actor passes spread over the actor ranks (data parallel); the Ref forward
         on `ref_ranks` decoupled Ref ranks, or on the actor ranks themselves when 0 (colocated)."""
@@ -134,6 +152,7 @@ class Simulation:
         if self._post_update is not None:  # the last step's boundary first (a sync shorter than a tick)
             return
         if self.step_open is None:
+            self.size_micro_batches_after_resize()
             need = {Consume.GLOBAL: self.M, Consume.MINI_BATCH: min(self.per_mini_batch, self._step_M)}.get(
                 self.spec.consume, 1)
             eval_blocked = self.spec.eval_blocks_trainer and any(
@@ -213,6 +232,7 @@ class Simulation:
             self.ref_idle_gpu_s += len(self.ref_ranks) * max(0.0, ref_idle - actor_wait)
         self._consume(mbs)
         self.consumed_steps += 1
+        self.consumed_sequences += sum(mb.sequences for mb in mbs)
         self.step_open = None
         rec = StepRecord(self.consumed_steps, start, end, len(mbs), step.ras, mode, len(self.rollout.ranks),
                          len(self.ref_ranks))
