@@ -8,7 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from verl_tide.core.readiness import ReadinessSignals
-from verl_tide.ers.resize import ResizeInputs, TrainerResizer, target_split
+from verl_tide.ers.resize import ResizeInputs, TrainerResizer, probe_split, target_split
 
 TINY = str(Path(__file__).parent / "data" / "sim_tiny.yaml")
 
@@ -109,6 +109,31 @@ def test_a_split_s_measured_rate_is_its_sequences_over_its_seconds_when_cycles_a
     assert resizer.best_measured() == 16
 
 
+def test_a_trainer_waiting_on_an_unsaturated_rollout_tries_a_quarter_of_its_gpus_there_once():
+    """The model gives an unsaturated rollout nothing from more ranks; the trainer waited 60 of 100 s for it.
+    ERS tries 12 of the Actor's 16 GPUs (two cycles that ask, as for any move), and the cycles measured there
+    decide: measured worse, the run goes back to 16 and does not try 12 again."""
+    waited = _signals(trainer_wait_s=60.0, rollout_capacity_rate=2.0, rollout_kv_bound=0.0)
+    even = _inputs(rollout_gpus=16, actor_gpus=16)
+    assert target_split(waited, even)[0] == 16  # the model alone stays
+    to, gain, why = probe_split(waited, even)
+    assert to == 12 and gain > 0.05 and "tried" in why
+    assert probe_split(_signals(trainer_wait_s=10.0, rollout_capacity_rate=2.0, rollout_kv_bound=0.0), even) is None
+    assert probe_split(waited, even, measured=frozenset({12, 16}))[0] == 11  # the next size nobody measured
+    assert probe_split(waited, _inputs(rollout_gpus=16, actor_gpus=16, actor_floor=16)) is None
+
+    resizer = TrainerResizer(cooldown=0)
+    assert resizer.decide(waited, even).actor_gpus == 16  # the first cycle that asks
+    tried = resizer.decide(waited, even)
+    assert tried.actor_gpus == 12 and "12 GPU(s) tried" in tried.reason
+    worse = _signals(trainer_wait_s=60.0, rollout_capacity_rate=2.0, rollout_kv_bound=0.0, cycle_s=130.0)
+    at_12 = _inputs(rollout_gpus=20, actor_gpus=12)
+    back = [resizer.decide(worse, at_12) for _ in range(2)][-1]
+    assert back.actor_gpus == 16 and "16 GPU(s) measured best" in back.reason
+    for _ in range(4):  # 12 measured worse: below 16 the bracket is closed, no second try
+        assert resizer.decide(waited, even).actor_gpus == 16
+
+
 def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trains_faster():
     """The same decision through the boundary round: from 3 of 4 GPUs rolling out, ERS gives the Actor more
     (each resize logged with its stall), every sequence is accounted for, and the run is faster than without."""
@@ -125,8 +150,10 @@ def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trai
     assert sim.resizes and sim.resizes[0][2] > sim.resizes[0][1] == 4  # (step, from, to, stall, why)
     assert all(stall > 0 for *_, stall, _ in sim.resizes)
     assert resized.goodput_tok_s > 1.2 * fixed.goodput_tok_s
-    assert resized.ledger["consumed_sequences"] == sim.consumed_sequences  # every sequence a step trained counted
-    assert all(r.micro_batches for r in sim.step_records) and sim.consumed_steps == w.steps
+    # every step trained its batch (less what rounds to micro-batches), counted in the ledger; micro-batches are
+    # sized again for the resized group once none of the old size waits
+    assert resized.ledger["consumed_sequences"] == sim.consumed_sequences >= 0.99 * w.steps * sim.B
+    assert len({r.micro_batches for r in sim.step_records}) > 1
     assert sim.ledger.check(sim.sequences_held()) is None  # the ledger balances across the resizes
     decided = [rec.decision["resize"] for rec in sim.planner.trace if "resize" in getattr(rec, "decision", {})]
     assert decided and any(reason.startswith("resize") for _, reason in decided)
