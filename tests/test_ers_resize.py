@@ -201,3 +201,53 @@ def test_a_verl_job_with_a_ref_model_critic_or_two_nodes_is_refused_for_a_resize
     problems = resize_blockers(job(kl=True, critic=True, nodes=2))
     assert len(problems) == 3 and all(p.startswith("tide.ers.resize_trainer = true with") for p in problems)
     assert "use_kl_loss" in problems[0] and "critic.enable" in problems[1] and "trainer.nnodes = 2" in problems[2]
+
+
+def test_a_boundary_that_resizes_the_actor_group_moves_no_rank_to_ref():
+    """One move a boundary: ERS's plan read the split before the resize, so its rank moves are cancelled (no
+    cooldown charged) and only the resize is applied."""
+    from types import SimpleNamespace
+
+    from verl_tide.boundary.planner import BoundaryDecision
+    from verl_tide.boundary.round import BoundaryRound, PlanOutcome, RoundContext
+    from verl_tide.ers.policy import RankMove, Role, ScalingPlan
+    from verl_tide.ers.resize import ResizeDecision
+    from verl_tide.ra2p.cost import RA2PMode
+
+    plan = ScalingPlan(5, (RankMove(3, Role.ROLLOUT, Role.REF),), RA2PMode.DECOUPLED, 200, False, "consumption")
+    cancelled = []
+
+    class Planner:
+        ers = SimpleNamespace(cancel=cancelled.append)
+
+        def __init__(self, resize_to: int):
+            self.resize_to = resize_to
+
+        def decide(self, *args):
+            return BoundaryDecision(None, None, None, None, None, plan,
+                                    resize=ResizeDecision(self.resize_to, 0.2, "resize"))
+
+    class Port:
+        def __init__(self):
+            self.calls = []
+
+        def signals(self, break_even):
+            return None
+
+        def move_ranks(self, moves):
+            self.calls.append(("move_ranks", moves))
+            return moves
+
+        def resize_trainer(self, decision):
+            self.calls.append(("resize_trainer", decision.actor_gpus))
+
+        def report(self, result):
+            self.calls.append(("report", result.plan_outcome))
+
+    inputs = SimpleNamespace(resize=_inputs())  # the Actor on 8 GPUs
+    port = Port()
+    BoundaryRound(Planner(16)).run(inputs, RoundContext(), port)
+    assert port.calls == [("resize_trainer", 16), ("report", PlanOutcome.CANCELLED_RESIZE)] and cancelled == [plan]
+    port = Port()
+    BoundaryRound(Planner(8)).run(inputs, RoundContext(), port)  # no resize: the plan's moves apply
+    assert port.calls == [("move_ranks", plan.moves), ("report", PlanOutcome.APPLIED)]

@@ -32,6 +32,7 @@ class PlanOutcome(enum.Enum):
 
     NOTHING_TO_MOVE = "nothing to move"
     CANCELLED_LAST_STEP = "not applied: last step"  # no step follows to use the moved ranks (no cooldown either)
+    CANCELLED_RESIZE = "not applied: the Actor's group resizes"  # one move a boundary: the plan read the old split
     APPLIED = "applied"
 
 
@@ -115,9 +116,10 @@ class BoundaryRound:
                                                 gpus_per_replica=a.gpus_per_replica)
         if decision.lend is not None:
             port.lend(decision.lend)
-        outcome, moves = self._move(decision, context.last_step, port)
-        if decision.resize is not None and decision.resize.actor_gpus != inputs.resize.actor_gpus \
-                and not context.last_step:
+        resize = decision.resize is not None and decision.resize.actor_gpus != inputs.resize.actor_gpus \
+            and not context.last_step
+        outcome, moves = self._move(decision, context.last_step, port, resize)
+        if resize:
             port.resize_trainer(decision.resize)
         result = RoundResult(decision, outcome, moves, advice_changed,
                              self.advice.standing if self.advice is not None else None)
@@ -129,14 +131,14 @@ class BoundaryRound:
                 "advised_rollout_gpus": standing.rollout_gpus if standing is not None else None}))
         return result
 
-    def _move(self, decision: BoundaryDecision, last_step: bool, port: BoundaryPort
+    def _move(self, decision: BoundaryDecision, last_step: bool, port: BoundaryPort, resize: bool
               ) -> tuple[PlanOutcome, tuple[Any, ...]]:
         plan = decision.plan
         if plan is None or not plan.moves:
             return PlanOutcome.NOTHING_TO_MOVE, ()
-        if last_step:
+        if last_step or resize:
             self.planner.ers.cancel(plan)
-            return PlanOutcome.CANCELLED_LAST_STEP, ()
+            return PlanOutcome.CANCELLED_LAST_STEP if last_step else PlanOutcome.CANCELLED_RESIZE, ()
         return PlanOutcome.APPLIED, tuple(port.move_ranks(plan.moves))
 
 

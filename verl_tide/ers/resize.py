@@ -151,11 +151,12 @@ class TrainerResizer:
                                                                    default=float("inf"))
 
     def _overruled_by_the_run(self, target: tuple[int, float, str], a0: int) -> tuple[int, float, str]:
-        """The model's (target, gain, why) where the measured splits say otherwise: stay at a split measured worse
-        than the best -> the best; a move past the best -> stop at the best; a move to a split that ran -> its
+        """The model's (target, gain, why) where the measured splits say otherwise (once this split has a measured
+        cycle: until then nothing says it is worse): stay at a split measured worse than the best -> the best; a move past the best -> stop at the best; a move to a split that ran -> its
         measured gain."""
         best_run, (to, gain, why) = self.best_measured(), target
-        if best_run is not None and best_run != a0 and (to == a0 or min(a0, to) < best_run < max(a0, to)):
+        if best_run is not None and best_run != a0 and self.measured_rate(a0) is not None \
+                and (to == a0 or min(a0, to) < best_run < max(a0, to)):
             to, why = best_run, f"{why}; {best_run} GPU(s) measured best" + ("" if to == a0 else f" on the way to {to}")
         if to != a0 and self.measured_rate(to) and self.measured_rate(a0):
             gain = self.measured_rate(to) / self.measured_rate(a0) - 1  # both ran: trust the run

@@ -124,7 +124,7 @@ class SimBoundaryPort:
         sim.split_advice = self.round.advice.last
         # trainer tide's elastic batch (its `step`): the plan's sequences in whole micro-batches
         sim._step_M = ERSPolicy.mini_batches(plan.batch_size, sim.mb_size, sim.M)
-        sim.step_records[-1].moves.extend((move.rank, move.dst.value) for move in plan.moves)
+        sim.step_records[-1].moves.extend((move.rank, move.dst.value) for move in result.moves)  # applied ones
 
     # ---- the planner's inputs ---------------------------------------------------------------
     def boundary_inputs(self) -> BoundaryInputs:

@@ -55,6 +55,8 @@ class Simulation:
     def __init__(self, workload: Workload, gpus: int, spec: SystemSpec, hw: Hardware = Hardware(),
                  seed: int = 0, dt: float = 0.5, tide_ctb: CTBConfig = CTBConfig(),
                  tide_ers: ERSConfig = ERSConfig(), tide_ra2p: RA2PConfig = RA2PConfig(), progress: Optional[Callable[[str], None]] = None):
+        if spec.resize_trainer:  # as trainer tide resizes: no tide Ref replicas beside it (its config refuses them)
+            tide_ers = dataclasses.replace(tide_ers, max_ref_ranks=0)
         if gpus < 2:
             raise ValueError(f"gpus = {gpus}: the simulator needs at least 2")
         self.w, self.gpus, self.spec, self.hw, self.dt = workload, gpus, spec, hw, dt
