@@ -164,7 +164,7 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
     # for the user; this shows what a worse (or better) start costs.
     tide_starts = {f"tide_r{r:.3g}": results["tide"] if r == best else tide(r, f"tide_r{r:.3g}") for r in ratios}
     tide_best = max(tide_starts.values(), key=lambda r: r.goodput_tok_s)
-    # ... and with ERS resizing the Actor's group (`ers/resize.py`; simulated only: trainer tide does not resize yet)
+    # ... and with ERS resizing the Actor's group (`ers/resize.py`; trainer tide with `tide.ers.resize_trainer=true`)
     resize_starts = {f"tide_resize_r{r:.3g}": tide(r, f"tide_resize_r{r:.3g}", resize=True) for r in ratios}
     worst_resized = min(resize_starts.values(), key=lambda r: r.goodput_tok_s)
     oracle = oracle_goodput(w, gpus, hw)
@@ -307,7 +307,7 @@ def format_table(report: dict) -> str:
     resized = report.get("tide_resize_start_ratio_sweep", {})
     if resized:
         worst = report["tide_resize_worst_start"]
-        lines.append("tide by start ratio with ERS resizing the Actor's group (simulated only): " + ", ".join(
+        lines.append("tide by start ratio with ERS resizing the Actor's group (tide.ers.resize_trainer): " + ", ".join(
             f"{row['rollout_ratio']:.3g}: {row['goodput_tok_s']:.0f}" for row in resized.values())
             + f"; worst start {worst['vs_tide_best_start']:.2f}x tide's best start, {worst['vs_best_stock']:.2f}x the "
               "best stock system")
