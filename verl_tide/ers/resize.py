@@ -57,6 +57,11 @@ class ResizeDecision:
         return self.actor_gpus - now
 
 
+def _trainer_rate(signals: ReadinessSignals, inputs: ResizeInputs) -> float:
+    """Sequences per second on the Actor's GPUs now: the batch over the trainer's busy time (the cycle less TWT)."""
+    return inputs.batch / max(signals.cycle_s - signals.trainer_wait_s, 0.05 * signals.cycle_s)
+
+
 def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
                  within: tuple[float, float] = (0, float("inf"))) -> Optional[tuple[int, float, str]]:
     """(Actor GPUs where the slower side is fastest, its predicted gain, why); None when the last cycle does not
@@ -65,7 +70,7 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
     r0, a0, g = inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica
     if not cycle_s or not rate or r0 < g or a0 < 1:
         return None
-    trainer_rate = inputs.batch / max(cycle_s - twt, 0.05 * cycle_s)  # sequences per second on a0 GPUs
+    trainer_rate = _trainer_rate(signals, inputs)
     of = r0 // g
 
     def rollout(replicas: int) -> float:
@@ -109,7 +114,7 @@ def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[f
     if not sizes:
         return None
     to = sizes[0]
-    trainer_rate = inputs.batch / max(cycle_s - twt, 0.05 * cycle_s)
+    trainer_rate = _trainer_rate(signals, inputs)
     rollout_now = signals.rollout_rate_with(r0 // g, r0 // g) or rate
     now = min(rollout_now, trainer_rate)
     at = min(rollout_now * (r0 + a0 - to) / r0, trainer_rate * to / a0)
@@ -151,9 +156,9 @@ class TrainerResizer:
                                                                    default=float("inf"))
 
     def _overruled_by_the_run(self, target: tuple[int, float, str], a0: int) -> tuple[int, float, str]:
-        """The model's (target, gain, why) where the measured splits say otherwise (once this split has a measured
-        cycle: until then nothing says it is worse): stay at a split measured worse than the best -> the best; a move past the best -> stop at the best; a move to a split that ran -> its
-        measured gain."""
+        """The model's (target, gain, why) where the measured splits say otherwise, once this split has a measured
+        cycle (until then nothing says it is worse): stay at a split measured worse than the best -> the best; a
+        move past the best -> stop at the best; a move to a split that ran -> its measured gain."""
         best_run, (to, gain, why) = self.best_measured(), target
         if best_run is not None and best_run != a0 and self.measured_rate(a0) is not None \
                 and (to == a0 or min(a0, to) < best_run < max(a0, to)):
@@ -188,7 +193,8 @@ class TrainerResizer:
         if self._since_move <= self.cooldown:
             return ResizeDecision(a0, gain, f"not yet: {self._since_move} cycle(s) since the last move")
         # a cycle shorter by the gain, each step; the cycle as this split measured it, else the last one
-        cycle_s = inputs.batch / self.measured_rate(a0) if self.measured_rate(a0) else signals.cycle_s
+        rate_now = self.measured_rate(a0)
+        cycle_s = inputs.batch / rate_now if rate_now else signals.cycle_s
         saved = cycle_s * (1 - 1 / (1 + gain)) * inputs.steps_left
         if saved <= inputs.move_s:
             return ResizeDecision(a0, gain, f"no move: {why}; {saved:.1f}s saved over {inputs.steps_left} steps "

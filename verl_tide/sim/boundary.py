@@ -113,8 +113,7 @@ class SimBoundaryPort:
                 sim.actor_ranks -= 1
         if sim.actor_ranks != a0:
             sim.trainer_free_at += stall
-            sim._resized_since_sizing = True
-            sim.size_micro_batches_after_resize()
+            sim.actor_group_resized()
             sim.resizes.append((sim.consumed_steps, a0, sim.actor_ranks, stall, decision.reason))
 
     def report(self, result: RoundResult) -> None:

@@ -124,7 +124,12 @@ class Simulation:
         self.mb_size = self.B // self.M
         self.per_mini_batch = max(1, math.ceil(self.M / self.spec.parameter_sync_step))  # verl's PPO mini-batch
 
-    def size_micro_batches_after_resize(self) -> None:
+    def actor_group_resized(self) -> None:
+        """The Actor's group changed size: its micro-batches follow (`_size_micro_batches_after_resize`)."""
+        self._resized_since_sizing = True
+        self._size_micro_batches_after_resize()
+
+    def _size_micro_batches_after_resize(self) -> None:
         """After a resize, once no formed micro-batch waits (they keep the size they were formed at): the new
         group's size, the next step's elastic batch in the same sequences."""
         if not self._resized_since_sizing or self.rollout.micro_batches or self.step_open is not None:
@@ -154,7 +159,7 @@ class Simulation:
         if self._post_update is not None:  # the last step's boundary first (a sync shorter than a tick)
             return
         if self.step_open is None:
-            self.size_micro_batches_after_resize()
+            self._size_micro_batches_after_resize()
             need = {Consume.GLOBAL: self.M, Consume.MINI_BATCH: min(self.per_mini_batch, self._step_M)}.get(
                 self.spec.consume, 1)
             eval_blocked = self.spec.eval_blocks_trainer and any(
