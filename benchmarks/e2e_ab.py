@@ -21,15 +21,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from verl_tide.testing.compare import is_tide, run_order, run_system, systems
-from verl_tide.testing.demo import demo_job
-
-sys.path.insert(0, str(Path(__file__).parent))
-from e2e_compare import EVERY_PART_KV_BLOCKS  # noqa: E402
+from verl_tide.testing.demo import PRESETS, preset_job
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=("demo", "every_part"), default="every_part")
+    ap.add_argument("--preset", choices=PRESETS, default="every_part")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--variant", action="append", default=[], help="name=override[,override...]")
@@ -38,15 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500.0)
     args = ap.parse_args(argv)
     work = Path(args.workdir).resolve()
-    every_part = args.preset == "every_part"
-    gpus = 3 if every_part else 2
-    job = demo_job(work, args.steps, 6 if every_part else 4, 2, gpus, seed=0)
-    extra: tuple[str, ...] = ()
-    if every_part:
-        job = replace(job, use_kl_loss=True)
-        extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
-                 "trainer.test_freq=3")
-    tide = next(s for s in systems(job, 1, tide_rollout_gpus=gpus - 1 if every_part else 1) if s.name == "tide")
+    pj = preset_job(args.preset, work, args.steps)
+    job, extra = pj.job, pj.extra
+    tide = next(s for s in systems(job, 1, tide_rollout_gpus=pj.tide_rollout_gpus) if s.name == "tide")
     variants = {"tide": tide}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
@@ -57,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in variants}
     for r in range(args.rounds):
         for name in run_order(list(variants), r):
-            res = run_system(variants[name], job, work / f"round{r + 1}", 2.0 if every_part else 1.0, args.timeout,
+            res = run_system(variants[name], job, work / f"round{r + 1}", pj.latency_scale, args.timeout,
                              extra)
             if res["returncode"] != 0:
                 print(f"[ab] round {r + 1}: {name}: FAILED (exit {res['returncode']})\n{res.get('error', '')[-2000:]}",

@@ -25,22 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-from dataclasses import replace
-
 from verl_tide.testing.compare import (POLL_AS_VERL, REWARD, best_stock, chosen, is_tide, over_repeats,
                                        run_order, run_system, systems)
 from verl_tide.testing import timeline
-from verl_tide.testing.demo import demo_job, plot_rewards
-
-
-# every_part: the engines' KV cache in blocks (128 tokens each on vLLM-CPU): 512 tokens an engine, about two
-# resident contexts of up to 240 tokens, where a step's 8 trajectories need about 1,800 in all
-EVERY_PART_KV_BLOCKS = 4
+from verl_tide.testing.demo import PRESETS, plot_rewards, preset_job
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", choices=("demo", "every_part"), default="demo")
+    ap.add_argument("--preset", choices=PRESETS, default="demo")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=None,
                     help="prompts per step (data.train_batch_size; demo 4, every_part 6: 12 samples split over "
@@ -79,22 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-cores", type=float, default=None,
                     help="with --device-budgets: the host side's quota (default: the cores the fake GPUs leave)")
     args = ap.parse_args(argv)
-    every_part = args.preset == "every_part"
-    gpus = args.gpus or (3 if every_part else 2)
-    cores, host = budgets_asked(args.device_budgets, args.host_cores, gpus)
-    budgets = device_budgets_env(cores, host)
-
     work = Path(args.workdir or tempfile.mkdtemp(prefix="verl_tide_compare_")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    latency = args.latency_scale if args.latency_scale is not None else (2.0 if every_part else 1.0)
-    job = demo_job(work, args.steps, args.batch or (6 if every_part else 4), args.n, gpus, seed=args.seed)
-    extra: tuple[str, ...] = (f"data.seed={args.seed}", f"actor_rollout_ref.rollout.seed={args.seed}") \
-        if args.seed else ()
-    if every_part:
-        job = replace(job, use_kl_loss=True)
-        extra += (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
-                  "trainer.test_freq=3")
-    tide_rollout_gpus = args.tide_rollout_gpus or (gpus - 1 if every_part else 1)
+    pj = preset_job(args.preset, work, args.steps, args.batch, args.n, args.gpus, seed=args.seed,
+                    latency_scale=args.latency_scale, tide_rollout_gpus=args.tide_rollout_gpus)
+    job, extra, latency, tide_rollout_gpus = pj.job, pj.extra, pj.latency_scale, pj.tide_rollout_gpus
+    cores, host = budgets_asked(args.device_budgets, args.host_cores, job.n_gpus)
+    budgets = device_budgets_env(cores, host)
     available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=tide_rollout_gpus,
                                             attribution=args.attribution)}
     ran = {name: available[name] for name in chosen(list(available), args.only)}

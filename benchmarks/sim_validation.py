@@ -26,38 +26,50 @@ from verl_tide.sim.bench import STOCK_SYSTEMS
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.hardware import load_profile
 from verl_tide.sim.workload import load_workload
+from verl_tide.testing.compare import LENDING_BESIDE_REF, NO_LENDING, WHAT_IF
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.15  # the issue's target: every prediction within 15% of the measured goodput
 DT_S = 0.05  # the simulator's tick: the demo's turns last tenths of a second
+# the head-to-head's jobs (benchmarks/e2e_compare.py --preset): fake GPUs, tide's rollout GPUs, a Ref model
+JOBS = {"demo": (2, 1, False), "every_part": (3, 2, True)}
 
 
-def specs(gpus: int, rollout_gpus: int) -> dict[str, SystemSpec | None]:
-    """The head-to-head's systems (their names in its JSON) as the simulator runs them; None: not modelled."""
-    ratio = rollout_gpus / gpus
+def specs(gpus: int, tide_rollout_gpus: int, ref_model: bool) -> dict[str, SystemSpec | None]:
+    """The head-to-head's systems (their names in its JSON) as the simulator runs them, at every split the fake
+    GPUs allow; None: not modelled. `ref_model`: the job has verl's Ref model (KL loss), so trainer tide does not
+    lend the Actor's GPUs unless asked (`tide.ers.lend_actor=auto`)."""
     switch = {**STOCK_SYSTEMS["verl_separate_async_switch"], "parameter_sync_step": 1}
     plain = {**STOCK_SYSTEMS["verl_separate_async"], "parameter_sync_step": 1}
-    split = f"{gpus - rollout_gpus}T/{rollout_gpus}R"
-    return {
+    out: dict[str, SystemSpec | None] = {
         "verl sync": SystemSpec("verl_sync", sync=True),
         # the hybrid engine time-sharing every GPU between rollout and training, one step off-policy: no model yet
         "verl colocate_async": None,
-        f"verl separate_async {split}": SystemSpec("separate_async", rollout_ratio=ratio, **plain),
-        f"verl separate_async {split} + hybrid switch": SystemSpec("separate_async_switch", rollout_ratio=ratio,
-                                                                    **switch),
-        f"what-if: verl separate_async {split} + hybrid switch, 0.2 s poll": SystemSpec(
-            "separate_async_switch_poll02", rollout_ratio=ratio, **{**switch, "poll_s": 0.2}),
+    }
+
+    def tide(name: str, ratio: float, lend: bool) -> SystemSpec:
+        return SystemSpec(name, rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
+                          elastic=True, lend_actor=lend)
+
+    for rollout in range(1, gpus):
+        ratio, split = rollout / gpus, f"{gpus - rollout}T/{rollout}R"
+        out[f"verl separate_async {split}"] = SystemSpec("separate_async", rollout_ratio=ratio, **plain)
+        out[f"verl separate_async {split} + hybrid switch"] = SystemSpec("separate_async_switch", rollout_ratio=ratio,
+                                                                         **switch)
+        out[f"{WHAT_IF}verl separate_async {split} + hybrid switch, 0.2 s poll"] = SystemSpec(
+            "separate_async_switch_poll02", rollout_ratio=ratio, **{**switch, "poll_s": 0.2})
         # verl's own fully_async trainer, its dynamic schedule's `default` policy lending the trainer's hybrid
         # replicas, the weights synced after every step (the head-to-head's trigger_parameter_sync_step=1)
-        f"verl fully_async {split} + dynamic schedule": SystemSpec(
+        out[f"verl fully_async {split} + dynamic schedule"] = SystemSpec(
             "fully_async_dynamic", rollout_ratio=ratio,
-            **{**STOCK_SYSTEMS["verl_fully_async_dynamic"], "parameter_sync_step": 1}),
-        # `+tide=enabled` on the demo job: no Ref model, so the Actor's GPU is lent (tide.ers.lend_actor=auto)
-        "tide": SystemSpec("tide", rollout_ratio=ratio, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
-                           elastic=True, lend_actor=True),
-        "tide, tide.ers.lend_actor=false": SystemSpec("tide_no_lend", rollout_ratio=ratio, routing="ctb",
-                                                      consume="ra2p", eval_blocks_trainer=False, elastic=True),
-    }
+            **{**STOCK_SYSTEMS["verl_fully_async_dynamic"], "parameter_sync_step": 1})
+        if rollout != tide_rollout_gpus:
+            out[f"tide {split}"] = tide(f"tide_{split}", ratio, lend=not ref_model)
+    # `+tide=enabled` as a user gets it: without a Ref model the Actor's GPU is lent (tide.ers.lend_actor=auto)
+    ratio = tide_rollout_gpus / gpus
+    out["tide"] = tide("tide", ratio, lend=not ref_model)
+    out[LENDING_BESIDE_REF if ref_model else NO_LENDING] = tide("tide_other_lend", ratio, lend=ref_model)
+    return out
 
 
 def measured_goodput(run: dict, after_step1: bool) -> dict:
@@ -82,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="testbed-cpu")
     ap.add_argument("--workload", default="testbed_demo")
     ap.add_argument("--measured", default=str(ROOT / "benchmarks/results/e2e_compare_budgeted_cpu.json"))
-    ap.add_argument("--gpus", type=int, default=2)
-    ap.add_argument("--rollout-gpus", type=int, default=1)
+    ap.add_argument("--job", choices=("demo", "every_part"), default="demo",
+                    help="the head-to-head's job: its fake GPUs, tide's split and whether it has a Ref model")
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--json", default=str(ROOT / "benchmarks/results/sim_validation_testbed_cpu.json"))
     ap.add_argument("--plot", default=str(ROOT / "benchmarks/results/sim_validation_testbed_cpu.png"))
@@ -93,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     measured = json.loads(Path(args.measured).read_text())
     t0 = time.monotonic()
     systems = {}
-    for name, spec in specs(args.gpus, args.rollout_gpus).items():
+    gpus, tide_rollout_gpus, ref_model = JOBS[args.job]
+    for name, spec in specs(gpus, tide_rollout_gpus, ref_model).items():
         if name not in measured:
             continue
         m, m1 = measured_goodput(measured[name], False), measured_goodput(measured[name], True)
@@ -103,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec is None:
             systems[name] = {**row, "predicted_tok_s": None, "note": "not modelled by the simulator"}
             continue
-        preds = [Simulation(w, args.gpus, spec, hw, seed=s, dt=DT_S).run() for s in range(args.seeds)]
+        preds = [Simulation(w, gpus, spec, hw, seed=s, dt=DT_S).run() for s in range(args.seeds)]
         p = statistics.fmean(r.goodput_tok_s for r in preds)
         p1 = statistics.fmean(after_step1_tok_s(r) for r in preds)
         systems[name] = {**row, "predicted_tok_s": round(p, 1),
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     report = {
-        "date": date.today().isoformat(), "commit": commit, "job": "demo (test bed)", "gpus": args.gpus,
+        "date": date.today().isoformat(), "commit": commit, "job": f"{args.job} (test bed)", "gpus": gpus,
         "profile": hw.name, "profile_source": hw.measured.source if hw.measured else "",
         "workload": w.name, "seeds": args.seeds, "tick_s": DT_S, "tolerance": TOLERANCE,
         "measured": {"file": str(Path(args.measured).relative_to(ROOT)) if Path(args.measured).is_relative_to(ROOT)
@@ -180,7 +193,7 @@ def plot(report: dict, path: str) -> None:
         ax.set_title(title, fontsize=9)
     axes[0].set_ylabel("goodput, tok/s")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"simulator vs test bed, demo job ({report['measured']['device_budgets']})", fontsize=10)
+    fig.suptitle(f"simulator vs test bed, {report['job']} ({report['measured']['device_budgets']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -23,7 +23,17 @@ computes it at the probe job's load.
 Writes the profile (`--profile`, YAML, `sim/hardware.load_profile`) and the workload (`--workload`, the bench's
 schema). Takes about 12 minutes on 2 cores.
 
+`--preset every_part` probes the every-part job instead (`verl_tide.testing.demo.preset_job`: a Ref model with KL,
+3 fake GPUs, small KV caches, evaluation every 3 steps, the environment's latency doubled): its trainer probe runs
+that job under `sync`, the environment is probed at its latency, and the profile carries its KV cache; with
+`--base-profile` the fake GPU's engine, switch and start rates come from a profile measured at the same budgets
+(same device, same model) instead of their probes (about 6 minutes).
+
     python benchmarks/testbed_calibrate.py --device-budgets 0.7 --host-cores 0.6
+    python benchmarks/testbed_calibrate.py --preset every_part --device-budgets 0.5 --host-cores 0.5 \
+        --base-profile testbed-cpu-0.5 --profile verl_tide/sim/profiles/testbed-cpu-0.5-every-part.yaml \
+        --workload verl_tide/sim/workloads/testbed_every_part.yaml \
+        --json benchmarks/results/testbed_calibration_every_part_0.5_cpu.json
 """
 
 from __future__ import annotations
@@ -49,12 +59,12 @@ from ctb_vllm import wait_ready  # noqa: E402
 
 from verl_tide.engine_metrics import engine_kv_capacity  # noqa: E402
 from verl_tide.sim.env_probe import probe_environment  # noqa: E402
-from verl_tide.sim.hardware import fit_decode_iteration  # noqa: E402
+from verl_tide.sim.hardware import fit_decode_iteration, load_profile  # noqa: E402
 from verl_tide.sim.plan import model_from_hf_config  # noqa: E402
 from verl_tide.testing import device_budgets  # noqa: E402
 from verl_tide.testing.compare import System, job_overrides, wall_clock_summary  # noqa: E402
 from verl_tide.testing.compare import systems as stock_systems  # noqa: E402
-from verl_tide.testing.demo import demo_job, env_agent_overrides  # noqa: E402
+from verl_tide.testing.demo import PRESETS, demo_job, env_agent_overrides, preset_job  # noqa: E402
 from verl_tide.testing.platform import TEST_BED_ENV  # noqa: E402
 from verl_tide.testing.testbed import free_port, parse_step_metrics, run_with_env_service, spawn_env_service  # noqa: E402
 
@@ -150,14 +160,15 @@ PHASES = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv
           "timing_s/update_weights", "timing_s/reward")
 
 
-def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
-    job = demo_job(work, steps, batch=4, n=2)
+def probe_trainer(work: Path, steps: int, timeout_s: float, preset: str = "demo") -> dict:
+    pj = preset_job(preset, work, steps)
+    job = pj.job
     sync = System("verl sync", (), job.n_gpus)
     seen: dict = {}  # the service's URL, and its agent-turn counters when step 1's line arrives
 
     def overrides(url: str) -> list[str]:
         seen["url"] = url
-        return job_overrides(job, sync, env_agent_overrides(url))
+        return [*job_overrides(job, sync, env_agent_overrides(url)), *pj.extra]
 
     timed: list[tuple[float, str]] = []  # every line with its arrival: the head-to-head's clock, step by step
 
@@ -167,7 +178,7 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
             with urllib.request.urlopen(seen["url"] + "/health", timeout=10) as r:
                 seen["at_step1"] = json.load(r)
 
-    run, health = run_with_env_service(overrides, work, latency_scale=1.0, timeout_s=timeout_s,
+    run, health = run_with_env_service(overrides, work, latency_scale=pj.latency_scale, timeout_s=timeout_s,
                                        log_path=work / "verl_sync.log", on_line=on_line)
     m = parse_step_metrics(run.output)
     if run.returncode != 0 or len(m) != steps:
@@ -184,19 +195,20 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
     steady = statistics.median(wall[n] - wall[n - 1] for n in range(2, steps + 1))
     first_step_s = wall[1]
     tokens = sum(s["perf/total_num_tokens"] for s in later)
-    total = {k: sum(s.get(k, 0.0) for s in later) for k in (*PHASES, "timing_s/step")}
+    total = {k: sum(s.get(k, 0.0) for s in later) for k in (*PHASES, "timing_s/testing", "timing_s/step")}
     act_f = total["timing_s/old_log_prob"] / tokens
     act_fb = total["timing_s/update_actor"] / tokens
-    outside = total["timing_s/step"] - sum(total[k] for k in PHASES)
+    # evaluation runs inside verl's step timer; the simulator runs it as the workload's eval groups
+    outside = total["timing_s/step"] - sum(total[k] for k in (*PHASES, "timing_s/testing"))
     return {"steps_used": len(later), "tokens": tokens, "phase_s": {k: v / len(later) for k, v in total.items()},
-            "act_f_s_per_token": act_f, "act_b_s_per_token": max(act_fb - act_f, 0.0),
-            "ref_s_per_token": (total["timing_s/ref"] / tokens) if total["timing_s/ref"] else act_f,
+            **trainer_rates(act_f, act_fb, total["timing_s/ref"] / tokens),
             "sync_s": total["timing_s/update_weights"] / len(later), "step_overhead_s": outside / len(later),
             "prompt_tokens": statistics.fmean(s["prompt_length/mean"] for s in later),
             # the environment agent loop reports num_turns = 2 x actions + 1
             "turns": statistics.fmean((s["num_turns/mean"] - 1) / 2 for s in later),
             "response_tokens": statistics.fmean(s["response_length/mean"] for s in later),
-            "device_busy": run.device_busy, "model_path": job.model_path, "concurrent_trajectories": 8,
+            "device_busy": run.device_busy, "model_path": job.model_path,
+            "concurrent_trajectories": job.train_batch_size * job.rollout_n,
             # the environment service's view of the agents: from each reply to the session's next action
             # from step 2 on, as the rates above (step 1's first turns wait for the engines' lazy start)
             "agent_turn_s": (health["agent_turn_s"] - step1["agent_turn_s"]) / max(
@@ -205,6 +217,15 @@ def probe_trainer(work: Path, steps: int, timeout_s: float) -> dict:
             # verl sync has no overlap between steps: what its first step takes beyond a steady one is the lazy
             # start (the clock of the head-to-head runs from the first /start)
             "step1_s": first_step_s, "steady_step_s": steady, "start_s": max(0.0, first_step_s - steady)}
+
+
+def trainer_rates(act_f: float, act_fb: float, ref: float) -> dict:
+    """verl's passes per token as the simulator's three stages (Ref forward, Actor forward, Actor backward; a step
+    costs their sum): with a Ref model, its forward, `old_log_prob`, and `update_actor` whole (its own forward
+    with the backward); without one, the update's own forward stands in the Ref stage's place."""
+    if ref:
+        return {"ref_s_per_token": ref, "act_f_s_per_token": act_f, "act_b_s_per_token": act_fb}
+    return {"ref_s_per_token": act_f, "act_f_s_per_token": act_f, "act_b_s_per_token": max(act_fb - act_f, 0.0)}
 
 
 SWITCH_SYSTEM = "verl separate_async 1T/1R + hybrid switch"
@@ -250,8 +271,50 @@ def _cached(path: Path, probe: Callable[[], dict]) -> dict:
     return json.loads(path.read_text())
 
 
+def device_probes(args, work: Path, trainer: dict, cores: float | None) -> tuple[dict, dict, dict]:
+    """The fake GPU's own rates (engine, hybrid switch, lazy start): probed, or, with `--base-profile`, taken from a
+    profile measured at the same budgets (the device and the model are the same; only the job differs)."""
+    if args.base_profile:
+        rates = dict(load_profile(args.base_profile).measured.rates)
+        engine = {k: rates[k] for k in ("prefill_tok_s", "decode_weight_s", "decode_seq_s", "decode_kv_s_per_token",
+                                        "kv_capacity_tokens")}
+        engine["request_overhead_s"] = 0.0  # the engine's own round trip: not in a profile
+        switch = {"switch_s": rates["hybrid_switch_s"], "actor_after_switch_s": rates["actor_after_switch_s"],
+                  "from": args.base_profile}
+        return engine, switch, {"start_s": rates["start_s"], "from": args.base_profile}
+    switch = _cached(work / "switch_probe.json", lambda: probe_switch(work, args.steps, timeout_s=1200))
+    print(f"[calibrate] switch: {json.dumps(switch)}", flush=True)
+    jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
+    try:
+        engine = _cached(work / "engine_probe.json", lambda: probe_engine(
+            Path(trainer["model_path"]), work, jb, cores or float(os.cpu_count() or 1), max_model_len=240))
+    finally:
+        if jb:
+            jb.remove()
+    return engine, switch, {"start_s": trainer["start_s"]}
+
+
+def probe_env(args, model: str, latency_scale: float, cores: float | None):
+    jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
+    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=latency_scale)
+    try:
+        if jb:
+            jb.place(env_proc.pid, [])
+        return asyncio.run(probe_environment(env_url, episodes=args.episodes, env="tiny_slow", tokenizer_path=model,
+                                             action="guess 0 0 0 0"))
+    finally:
+        env_proc.terminate()
+        env_proc.communicate(timeout=30)
+        if jb:
+            jb.remove()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=PRESETS, default="demo", help="the head-to-head job whose workload to write")
+    ap.add_argument("--base-profile", default=None,
+                    help="take the fake GPU's engine, switch and start rates from this profile (measured at the "
+                         "same budgets) instead of probing them; the trainer's rates are this job's own")
     ap.add_argument("--device-budgets", type=float, default=None, metavar="CORES", help="cores per fake GPU")
     ap.add_argument("--host-cores", type=float, default=None)
     ap.add_argument("--steps", type=int, default=4, help="steps of the probe's verl sync job (2 on are used)")
@@ -268,35 +331,21 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[device_budgets.BUDGET_ENV] = str(cores)
         if args.host_cores is not None:
             os.environ[device_budgets.HOST_ENV] = str(args.host_cores)
-    print(f"[calibrate] device budgets: {f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}",
-          flush=True)
+    print(f"[calibrate] {args.preset} job; device budgets: "
+          f"{f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}", flush=True)
     t0 = time.monotonic()
-    trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, args.steps, timeout_s=1200))
+    pj = preset_job(args.preset, work, args.steps)
+    trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, args.steps, 1200, args.preset))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
-    switch = _cached(work / "switch_probe.json", lambda: probe_switch(work, args.steps, timeout_s=1200))
-    print(f"[calibrate] switch: {json.dumps(switch)}", flush=True)
-    model = Path(trainer["model_path"])
-    jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
-    env_proc, env_url = spawn_env_service("--session-timeout", "600", latency_scale=1.0)
-    try:
-        if jb:
-            jb.place(env_proc.pid, [])
-        engine = _cached(work / "engine_probe.json", lambda: probe_engine(
-            model, work, jb, cores or float(os.cpu_count() or 1), max_model_len=240))
-        print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
-        envs = asyncio.run(probe_environment(env_url, episodes=args.episodes, env="tiny_slow",
-                                             tokenizer_path=str(model), action="guess 0 0 0 0"))
-        print(f"[calibrate] environment: {json.dumps(envs.summary())}", flush=True)
-    finally:
-        env_proc.terminate()
-        env_proc.communicate(timeout=30)
-        if jb:
-            jb.remove()
-    spec = model_from_hf_config(str(model))
+    engine, switch, start = device_probes(args, work, trainer, cores)
+    print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
+    envs = probe_env(args, trainer["model_path"], pj.latency_scale, cores)
+    print(f"[calibrate] environment: {json.dumps(envs.summary())}", flush=True)
+    spec = model_from_hf_config(trainer["model_path"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     budget = f"{cores} cores per fake GPU, host {args.host_cores}" if cores else "none (fake GPUs share the cores)"
-    # What an agent's turn costs beyond the engine's work as the model computes it at the probe job's load (its 8
+    # What an agent's turn costs beyond the engine's work as the model computes it at the probe job's load (its
     # trajectories decoding together, a turn's new tokens prefilled): the agent loop's host path (Ray hops to the
     # server, chat template, tokenizer) on the host's budget. The engine probe's own round trip (HTTP only) is the
     # lower bound reported beside it.
@@ -310,12 +359,15 @@ def main(argv: list[str] | None = None) -> int:
         "prefill_tok_s"]
     engine["agent_turn_s"], engine["engine_turn_s_modelled"] = trainer["agent_turn_s"], engine_turn_s
     request_overhead_s = max(trainer["agent_turn_s"] - engine_turn_s, engine["request_overhead_s"])
-    kv = engine["kv_capacity_tokens"]
+    kv = pj.kv_capacity_tokens or engine["kv_capacity_tokens"]  # the job's own KV cache where it sets one
     if not kv:
         raise RuntimeError("the engine's /metrics gave no KV capacity: no profile written (see engine.log)")
+    job_part = "" if args.preset == "demo" else f", the {args.preset} job's trainer and KV cache"
     profile = {
-        "name": f"testbed-cpu ({budget})",
-        "source": f"benchmarks/testbed_calibrate.py, {date.today().isoformat()}, commit {commit}, 2-core x86_64",
+        "name": f"testbed-cpu ({budget}{job_part})",
+        "source": f"benchmarks/testbed_calibrate.py --preset {args.preset}, {date.today().isoformat()}, commit "
+                  f"{commit}, 2-core x86_64" + (f"; engine, switch and start from {args.base_profile}"
+                                                if args.base_profile else ""),
         "device_budgets": budget,
         "model": {"params_b": round(spec.params_b, 6), "kv_bytes_per_token": spec.kv_bytes_per_token},
         "rates": {
@@ -335,30 +387,33 @@ def main(argv: list[str] | None = None) -> int:
             "actor_after_switch_s": round(switch["actor_after_switch_s"], 4),
             "step_overhead_s": round(trainer["step_overhead_s"], 4),
             "request_overhead_s": round(request_overhead_s, 4),
-            "start_s": round(trainer["start_s"], 3),
+            "start_s": round(start["start_s"], 3),
         },
     }
     Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
     Path(args.profile).write_text("# The CPU test bed's fake GPU, measured (benchmarks/testbed_calibrate.py); "
                                   "sim/hardware.load_profile\n" + yaml.safe_dump(profile, sort_keys=False))
-    workload = envs.workload(name="testbed_demo", model=profile["model"],
-                             prompt_tokens=trainer["prompt_tokens"], action_tokens=ACTION_TOKENS, group_size=2,
-                             groups_per_step=4, gpus=2, steps=20, max_staleness=1,
-                             description="the test bed's demo job (tiny model, tiny_slow guessing game, 2 fake GPUs), "
-                                         f"measured by benchmarks/testbed_calibrate.py on {date.today().isoformat()}")
+    job = pj.job
+    workload = envs.workload(name=f"testbed_{args.preset}", model=profile["model"],
+                             prompt_tokens=trainer["prompt_tokens"], action_tokens=ACTION_TOKENS,
+                             group_size=job.rollout_n, groups_per_step=job.train_batch_size, gpus=job.n_gpus, steps=20,
+                             max_staleness=1,
+                             description=f"the test bed's {args.preset} job (tiny model, tiny_slow guessing game, "
+                                         f"{job.n_gpus} fake GPUs), measured by benchmarks/testbed_calibrate.py on "
+                                         f"{date.today().isoformat()}")
+    if pj.eval_every_steps:  # verl validates its val set (2 prompts, one sample each) every test_freq steps
+        workload["eval"] = {"every_steps": pj.eval_every_steps, "at_start": job.validate, "groups": 2, "group_size": 1}
     # The job, not the environment, decides how long an episode is: its response length (96 tokens) ends it after
     # the observation that overflows it. Turns from the job's own count; the tokens an observation adds to the
     # trajectory (the environment's text in the chat template) from its response length.
-    turns = trainer["turns"]
     workload["turns"] = {"dist": "fixed", "mean": round(turns, 3)}
     if turns > 1:
-        obs = (trainer["response_tokens"] - turns * ACTION_TOKENS) / (turns - 1)
         workload["observation_tokens"] = {"dist": "fixed", "mean": round(obs, 1)}
     Path(args.workload).write_text("# Measured: benchmarks/testbed_calibrate.py (the environment probed through its "
                                    "service, the prompt from the job)\n" + yaml.safe_dump(workload, sort_keys=False))
-    out = {"date": date.today().isoformat(), "commit": commit, "device_budgets": budget, "engine": engine,
-           "trainer": trainer, "switch": switch, "environment": envs.summary(), "profile": profile, "workload": workload,
-           "wall_s": round(time.monotonic() - t0, 1)}
+    out = {"date": date.today().isoformat(), "commit": commit, "preset": args.preset, "device_budgets": budget,
+           "engine": engine, "trainer": trainer, "switch": switch, "start": start, "environment": envs.summary(),
+           "profile": profile, "workload": workload, "wall_s": round(time.monotonic() - t0, 1)}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(f"[calibrate] wrote {args.profile}, {args.workload}, {args.json} ({out['wall_s']} s)")
     return 0

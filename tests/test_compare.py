@@ -147,6 +147,24 @@ def test_the_every_part_preset_runs_tide_on_two_rollout_ranks_with_a_ref_model_a
         assert "+tide=enabled" in ran[name].overrides and ran[name].rollout_gpus == int(rollout)
 
 
+def test_the_presets_are_defined_once_for_the_benchmarks_and_the_calibration(tmp_path):
+    from verl_tide.testing.demo import preset_job
+
+    demo = preset_job("demo", tmp_path / "d", steps=2)
+    assert (demo.job.n_gpus, demo.job.train_batch_size, demo.job.use_kl_loss) == (2, 4, False)
+    assert (demo.extra, demo.latency_scale, demo.tide_rollout_gpus, demo.kv_capacity_tokens) == ((), 1.0, 1, None)
+    every = preset_job("every_part", tmp_path / "e", steps=2, seed=1)
+    assert (every.job.n_gpus, every.job.train_batch_size, every.job.use_kl_loss) == (3, 6, True)
+    assert (every.latency_scale, every.tide_rollout_gpus, every.eval_every_steps) == (2.0, 2, 3)
+    keys = dict(o.split("=", 1) for o in every.extra)
+    # the KV cache the job sets is the one the calibration writes into the simulator's profile
+    assert int(keys["+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override"]) * 128 == \
+        every.kv_capacity_tokens
+    assert keys["trainer.test_freq"] == "3" and keys["data.seed"] == "1"
+    with pytest.raises(ValueError, match="every_part"):
+        preset_job("everything", tmp_path / "x", steps=2)
+
+
 def test_mechanisms_say_what_acted_over_a_run():
     from verl_tide.testing.compare import mechanisms
 

@@ -136,11 +136,9 @@ def test_the_environment_probe_measures_a_real_service():
     ("e2e_compare_budgeted_cpu.json", "sim_validation_testbed_cpu.json"),
     ("e2e_compare_budgeted_0.5_cpu.json", "sim_validation_testbed_0.5_cpu.json")])
 def test_the_validation_runs_the_head_to_heads_systems_and_reports_each(measured_json, validation_json):
-    spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _sim_validation()
     measured = json.loads((ROOT / "benchmarks/results" / measured_json).read_text())
-    systems = mod.specs(2, 1)
+    systems = mod.specs(*mod.JOBS["demo"])
     ran = [n for n in measured if isinstance(measured[n], dict) and "goodput_tok_s" in measured[n]]
     assert ran and all(n in systems for n in ran), "a measured system the validation does not know"
     report = json.loads((ROOT / "benchmarks/results" / validation_json).read_text())
@@ -148,6 +146,41 @@ def test_the_validation_runs_the_head_to_heads_systems_and_reports_each(measured
     assert set(report["systems"]) == set(ran)
     for name, r in report["systems"].items():
         assert r["measured_tok_s"] > 0 and (r["predicted_tok_s"] is None) == (systems[name] is None)
+
+
+@pytest.mark.parametrize("job, gpus, ref_model", [("demo", 2, False), ("every_part", 3, True)])
+def test_the_validation_knows_every_system_the_head_to_head_runs(job, gpus, ref_model):
+    from verl_tide.testing.compare import systems
+    from verl_tide.testing.testbed import GRPOJob
+
+    mod = _sim_validation()
+    assert mod.JOBS[job][:1] == (gpus,) and mod.JOBS[job][2] is ref_model
+    grpo = GRPOJob(model_path="m", train_file="t", val_file="v", n_gpus=gpus, use_kl_loss=ref_model)
+    specs = mod.specs(*mod.JOBS[job])
+    names = [s.name for s in systems(grpo, tide_rollout_gpus=mod.JOBS[job][1])]
+    assert [n for n in names if n not in specs] == []
+    # trainer tide's rule: the Actor's GPUs are lent without a Ref model only, unless the user asks
+    lend_key = "tide, tide.ers.lend_actor=true" if ref_model else "tide, tide.ers.lend_actor=false"
+    assert specs["tide"].lend_actor is not ref_model and specs[lend_key].lend_actor is ref_model
+
+
+def _sim_validation():
+    spec = importlib.util.spec_from_file_location("sim_validation", ROOT / "benchmarks" / "sim_validation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_calibration_maps_verls_passes_onto_the_simulators_stages():
+    spec = importlib.util.spec_from_file_location("testbed_calibrate", ROOT / "benchmarks" / "testbed_calibrate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    f, fb, ref = 2e-4, 4.5e-4, 1.8e-4
+    for r, verl_step in ((0.0, f + fb), (ref, ref + f + fb)):  # without and with a Ref model
+        rates = mod.trainer_rates(f, fb, r)
+        simulated = rates["ref_s_per_token"] + rates["act_f_s_per_token"] + rates["act_b_s_per_token"]
+        assert simulated == pytest.approx(verl_step)
+        assert rates["act_f_s_per_token"] == f
 
 
 def test_plan_takes_the_environment_from_a_probe_of_its_service(tmp_path, capsys):

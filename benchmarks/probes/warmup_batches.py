@@ -2,15 +2,13 @@
 `trainer.v1.separate_async.num_warmup_batches` 1 (default) and 2: does more work in flight at the start shorten
 step 1? Usage: python benchmarks/probes/warmup_batches.py [tide "tide wu2" "stock wu2" stock]"""
 import json, sys, tempfile
-from dataclasses import replace
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from e2e_compare import EVERY_PART_KV_BLOCKS
 from verl_tide.testing.compare import systems, run_system, System
-from verl_tide.testing.demo import demo_job
+from verl_tide.testing.demo import preset_job
 work = Path(tempfile.mkdtemp(prefix="warmup_batches_")); work.mkdir(parents=True, exist_ok=True)
-job = replace(demo_job(work, 6, 6, 2, 3, seed=0), use_kl_loss=True)
-extra = (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}", "trainer.test_freq=3")
+pj = preset_job("every_part", work, 6)
+job, extra = pj.job, pj.extra
 av = {s.name: s for s in systems(job, 1, tide_rollout_gpus=2)}
 wu2 = "trainer.v1.separate_async.num_warmup_batches=2"
 plan = [("tide", av["tide"]), ("tide wu2", System("tide wu2", (*av["tide"].overrides, wu2), av["tide"].rollout_gpus)),

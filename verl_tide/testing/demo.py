@@ -17,6 +17,7 @@ import re
 import signal
 import sys
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from verl_tide.testing.testbed import (
@@ -45,6 +46,49 @@ def demo_job(work: Path, steps: int, batch: int, n: int, gpus: int = 2, env: str
     val = write_env_task_parquet(data / "val.parquet", 2, env=env, seed=10_000 + seed * 100_000, task=task)
     return GRPOJob(model_path=str(model), train_file=str(train), val_file=str(val), n_gpus=gpus, steps=steps,
                    train_batch_size=batch, rollout_n=n, prompt_length=128, response_length=96)
+
+
+# every_part: the engines' KV cache in blocks (128 tokens each on vLLM-CPU): 512 tokens an engine, about two
+# resident contexts of up to 240 tokens, where a step's 8 trajectories need about 1,800 in all
+EVERY_PART_KV_BLOCKS = 4
+VLLM_CPU_BLOCK_TOKENS = 128
+EVERY_PART_TEST_FREQ = 3
+PRESETS = ("demo", "every_part")
+
+
+@dataclass(frozen=True)
+class PresetJob:
+    """A head-to-head job on the test bed, defined once for the benchmarks and the calibration probe: the job, what
+    every system runs it with beside its own overrides, the environment's latency scale, tide's default split."""
+
+    job: GRPOJob
+    extra: tuple[str, ...]
+    latency_scale: float
+    tide_rollout_gpus: int
+    kv_capacity_tokens: int | None  # each engine's KV cache where the job sets it (None: the engine's own)
+    eval_every_steps: int  # verl's trainer.test_freq (0: never)
+
+
+def preset_job(preset: str, work: Path, steps: int, batch: int | None = None, n: int = 2, gpus: int | None = None,
+               seed: int = 0, latency_scale: float | None = None, tide_rollout_gpus: int | None = None) -> PresetJob:
+    """`demo`: 2 fake GPUs, no Ref model, 4 prompts a step. `every_part`: every part of tide at once: a Ref model
+    with verl's KL loss, 3 fake GPUs with 2 rollout ranks under tide, engines whose KV caches make resident contexts
+    contend, the environment's latency doubled (tiny_slow's heavy tail), an evaluation every 3 steps, 6 prompts a
+    step (12 samples split over every trainer GPU count 3 fake GPUs allow)."""
+    if preset not in PRESETS:
+        raise ValueError(f"preset {preset!r}: one of {', '.join(PRESETS)}")
+    every_part = preset == "every_part"
+    gpus = gpus or (3 if every_part else 2)
+    job = demo_job(work, steps, batch or (6 if every_part else 4), n, gpus, seed=seed)
+    extra: tuple[str, ...] = (f"data.seed={seed}", f"actor_rollout_ref.rollout.seed={seed}") if seed else ()
+    if every_part:
+        job = replace(job, use_kl_loss=True)
+        extra += (f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={EVERY_PART_KV_BLOCKS}",
+                  f"trainer.test_freq={EVERY_PART_TEST_FREQ}")
+    return PresetJob(job, extra, latency_scale if latency_scale is not None else (2.0 if every_part else 1.0),
+                     tide_rollout_gpus or (gpus - 1 if every_part else 1),
+                     EVERY_PART_KV_BLOCKS * VLLM_CPU_BLOCK_TOKENS if every_part else None,
+                     EVERY_PART_TEST_FREQ if every_part else 0)
 
 
 def env_agent_overrides(env_url: str) -> list[str]:
