@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra,
                            timeline=args.timeline)
             runs[name].append(r)
+            if args.json:  # every finished run kept as it ends: an interrupted sitting loses only the run in flight
+                Path(f"{args.json}.partial").write_text(json.dumps(
+                    {"preset": args.preset, "device_budgets": budgets, "runs": runs}, default=str))
             print(f"[compare] round {round_index + 1}: {name}: " + (
                 f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
                 if r["returncode"] == 0 else f"FAILED (exit {r['returncode']})"), flush=True)
