@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
                          "cgroup CPU controller; testing/device_budgets.py); 'auto': half the machine's cores "
                          "shared by the fake GPUs, the other half the host's, where cgroups are writable, else "
                          "none; 'none' or left out: every fake GPU shares the machine's cores")
+    ap.add_argument("--report-partial", default=None, metavar="PARTIAL_JSON",
+                    help="run nothing: report the runs a sitting cut short kept in its <json>.partial (each system "
+                         "with the rounds it finished)")
     ap.add_argument("--host-cores", type=float, default=None,
                     help="with --device-budgets: the host side's quota (default: the cores the fake GPUs leave)")
     args = ap.parse_args(argv)
@@ -81,22 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     budgets = device_budgets_env(cores, host)
     available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=tide_rollout_gpus,
                                             attribution=args.attribution)}
-    ran = {name: available[name] for name in chosen(list(available), args.only)}
-    runs: dict[str, list[dict]] = {name: [] for name in ran}
-    for round_index in range(args.first_round - 1, args.first_round - 1 + max(1, args.repeats)):
-        for name in run_order(list(ran), round_index):
-            system = ran[name]
-            print(f"[compare] round {round_index + 1}: {name}: {len(system.overrides)} overrides on the job's own",
-                  flush=True)
-            r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra,
-                           timeline=args.timeline)
-            runs[name].append(r)
-            if args.json:  # every finished run kept as it ends: an interrupted sitting loses only the run in flight
-                Path(f"{args.json}.partial").write_text(json.dumps(
-                    {"preset": args.preset, "device_budgets": budgets, "runs": runs}, default=str))
-            print(f"[compare] round {round_index + 1}: {name}: " + (
-                f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
-                if r["returncode"] == 0 else f"FAILED (exit {r['returncode']})"), flush=True)
+    if args.report_partial:  # a sitting cut short: report the runs that finished, as they were kept
+        saved = json.loads(Path(args.report_partial).read_text())
+        budgets = saved["device_budgets"]
+        runs = {name: [restored(r) for r in rs] for name, rs in saved["runs"].items() if rs}
+        ran = dict.fromkeys(runs)
+    else:
+        ran = {name: available[name] for name in chosen(list(available), args.only)}
+        runs = run_rounds(args, ran, job, work, latency, extra, budgets)
     results: dict[str, dict] = {name: over_repeats(rs) for name, rs in runs.items()}
 
     print(f"\n{'system':>44} | {'start-up s':>10} | {'wall s':>7} | {'tokens':>7} | {'goodput tok/s':>13} | "
@@ -145,8 +140,38 @@ def main(argv: list[str] | None = None) -> int:
                                               "device_budgets": budgets or "none (fake GPUs share the cores)",
                                               "clock": "first /start to the last step's metrics line",
                                               "repeats": max(1, args.repeats), "seed": args.seed,
+                                              **({"cut_short": "the sitting was cut short: each system's rounds "
+                                                               "are its goodput_runs"} if args.report_partial else {}),
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
+
+
+def run_rounds(args, ran: dict, job, work: Path, latency: float, extra: tuple[str, ...], budgets) -> dict[str, list[dict]]:
+    """Every system of `ran` once a round, the order reversed every other round; each finished run is kept in
+    `<json>.partial` as it ends (`--report-partial` reports them if the sitting is cut short)."""
+    runs: dict[str, list[dict]] = {name: [] for name in ran}
+    for round_index in range(args.first_round - 1, args.first_round - 1 + max(1, args.repeats)):
+        for name in run_order(list(ran), round_index):
+            system = ran[name]
+            print(f"[compare] round {round_index + 1}: {name}: {len(system.overrides)} overrides on the job's own",
+                  flush=True)
+            r = run_system(system, job, work / f"round{round_index + 1}", latency, args.timeout, extra,
+                           timeline=args.timeline)
+            runs[name].append(r)
+            if args.json:
+                Path(f"{args.json}.partial").write_text(json.dumps(
+                    {"preset": args.preset, "device_budgets": budgets, "runs": runs}, default=str))
+            print(f"[compare] round {round_index + 1}: {name}: " + (
+                f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
+                if r["returncode"] == 0 else f"FAILED (exit {r['returncode']})"), flush=True)
+    return runs
+
+
+def restored(run: dict) -> dict:
+    """A run as `<json>.partial` kept it, its steps numbered again (JSON keys are strings)."""
+    if isinstance(run.get("steps"), dict):
+        run = {**run, "steps": {int(n): s for n, s in run["steps"].items()}}
+    return run
 
 
 def plot_device_timeline(finished: dict[str, dict], path: Path) -> None:

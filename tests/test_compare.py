@@ -226,3 +226,33 @@ def test_only_picks_a_whole_name_alone_and_otherwise_every_name_containing_it():
     assert chosen(names, ["separate_async"]) == ["verl separate_async 1T/1R",
                                                  "verl separate_async 1T/1R + hybrid switch"]
     assert chosen(names, None) == names and chosen(names, ["nothing"]) == []
+
+
+def test_a_sitting_cut_short_reports_the_runs_it_kept(tmp_path):
+    """`e2e_compare.py --report-partial`: each system with the rounds it finished, steps numbered again."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_compare.py"
+    spec = importlib.util.spec_from_file_location("e2e_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def run(goodput: float) -> dict:
+        return {"returncode": 0, "goodput_tok_s": goodput, "goodput_after_step1_tok_s": goodput, "startup_s": 1.0,
+                "wall_s": 5.0, "tokens": 5 * goodput, "mechanisms": {},
+                "steps": {"1": {"reward": 0.5, "wall_s": 2.0}, "2": {"reward": 0.7, "wall_s": 5.0}}}
+
+    partial = tmp_path / "p.json"
+    partial.write_text(json.dumps({"preset": "demo", "device_budgets": {"cores_per_gpu": 0.5},
+                                   "runs": {"verl sync": [run(200.0)], "tide": [run(300.0), run(340.0)],
+                                            "verl colocate_async": []}}))
+    out = tmp_path / "out.json"
+    assert mod.main(["--report-partial", str(partial), "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["tide"]["goodput_runs"] == [300.0, 340.0] and report["tide"]["goodput_tok_s"] == 320.0
+    assert report["verl sync"]["goodput_runs"] == [200.0] and "verl colocate_async" not in report
+    assert report["best_stock"]["tide"] == {"system": "verl sync", "ratio": 1.6}
+    assert report["device_budgets"] == {"cores_per_gpu": 0.5} and "cut_short" in report
+    assert (tmp_path / "w" / "rewards_by_step.png").exists() and (tmp_path / "w" / "rewards_by_wall_s.png").exists()
