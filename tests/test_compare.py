@@ -256,3 +256,26 @@ def test_a_sitting_cut_short_reports_the_runs_it_kept(tmp_path):
     assert report["best_stock"]["tide"] == {"system": "verl sync", "ratio": 1.6}
     assert report["device_budgets"] == {"cores_per_gpu": 0.5} and "cut_short" in report
     assert (tmp_path / "w" / "rewards_by_step.png").exists() and (tmp_path / "w" / "rewards_by_wall_s.png").exists()
+
+
+def test_a_job_that_hangs_after_its_last_step_is_stopped_and_counted_not_failed(tmp_path):
+    """verl's fully_async entry point can stay up after its last step (seen on the every-part job): the run stops
+    it `exit_grace_s` after the last step's line and keeps the result; a job hanging before its last step still
+    times out as a failure."""
+    import time
+
+    from verl_tide.testing.testbed import run_main_ppo
+
+    (tmp_path / "hangs_after.py").write_text("import time\nprint('step:2 - x', flush=True)\ntime.sleep(600)\n")
+    (tmp_path / "hangs_before.py").write_text("import time\nprint('step:1 - x', flush=True)\ntime.sleep(600)\n")
+    (tmp_path / "exits.py").write_text("print('step:2 - x', flush=True)\n")
+    env = {"PYTHONPATH": str(tmp_path)}
+    last = lambda line: "step:2 - " in line  # noqa: E731
+    t0 = time.monotonic()
+    r = run_main_ppo([], tmp_path, timeout_s=60, extra_env=env, module="hangs_after", done=last, exit_grace_s=1)
+    assert (r.returncode, r.stopped_after_done) == (0, True) and time.monotonic() - t0 < 30
+    assert "stopped" in r.output
+    r = run_main_ppo([], tmp_path, timeout_s=3, extra_env=env, module="hangs_before", done=last, exit_grace_s=1)
+    assert (r.returncode, r.stopped_after_done) == (-9, False)
+    r = run_main_ppo([], tmp_path, timeout_s=60, extra_env=env, module="exits", done=last, exit_grace_s=30)
+    assert (r.returncode, r.stopped_after_done) == (0, False)

@@ -227,7 +227,7 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
         run, health = run_with_env_service(
             lambda url: job_overrides(job, system, [*env_agent_overrides(url), *extra, *stats]), work,
             latency_scale=latency_scale, timeout_s=timeout_s, log_path=work / f"{slug}.log", on_line=on_line,
-            module=system.entry)
+            module=system.entry, done=lambda line: f"step:{job.steps} - " in line)
     finally:
         if poller is not None:
             poller.stop()
@@ -239,7 +239,8 @@ def run_system(system: System, job: GRPOJob, work: Path, latency_scale: float, t
     if missing:
         return {"returncode": -1, "error": missing}
     result = {"returncode": 0, **summary, "mechanisms": mechanisms(summary["steps"]),
-              "episodes_started": health["started"], "episodes_ended": health["ended"]}
+              "episodes_started": health["started"], "episodes_ended": health["ended"],
+              "stopped_after_last_step": run.stopped_after_done}
     if run.device_busy is not None:  # device budgets: each fake GPU's (and the host's) usage / budget
         result.update(device_busy_on_clock(run.usage_samples or [], run.budgets or {}, health["first_start_unix"],
                                            summary["wall_s"]))

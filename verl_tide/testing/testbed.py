@@ -168,13 +168,17 @@ class RunResult:
     device_busy: Optional[dict[str, float]] = None  # with device budgets: each group's usage / budget over the job
     usage_samples: Optional[list] = None  # with device budgets: (unix time, {group: CPU s used}) every second
     budgets: Optional[dict[str, float]] = None  # with device budgets: each group's cores
+    stopped_after_done: bool = False  # its last step logged, it did not exit within the grace: stopped, not failed
 
 
 def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0, log_path: str | Path | None = None,
                  extra_env: dict[str, str] | None = None, on_line: Callable[[str], None] | None = None,
-                 host_pids: tuple[int, ...] = (), module: str = "verl.trainer.main_ppo") -> RunResult:
+                 host_pids: tuple[int, ...] = (), module: str = "verl.trainer.main_ppo",
+                 done: Callable[[str], bool] | None = None, exit_grace_s: float = 180.0) -> RunResult:
     """Run `python -m verl.trainer.main_ppo` (or another of verl's entry points, `module`) in a subprocess; always
-    clean what a CPU run leaves in /dev/shm and the temp dir (`run_scratch`).
+    clean what a CPU run leaves in /dev/shm and the temp dir (`run_scratch`). `done(line)`: the line that says the
+    job's work is over (its last step's metrics); a job that has not exited `exit_grace_s` after it is stopped
+    and counts as finished (`stopped_after_done`), not failed.
 
     `on_line` sees every output line as it comes (progress display). With device budgets
     (`VERL_TIDE_DEVICE_BUDGETS` in the environment or `extra_env`; `testing/device_budgets.py`) the job runs on
@@ -183,7 +187,8 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
     cores = env.get(device_budgets.BUDGET_ENV)
     with run_scratch() as scratch_env:
         if not cores:
-            return _run_main_ppo({**env, **scratch_env}, overrides, cwd, timeout_s, log_path, on_line, module=module)
+            return _run_main_ppo({**env, **scratch_env}, overrides, cwd, timeout_s, log_path, on_line, module=module,
+                                 done=done, exit_grace_s=exit_grace_s)
         # device budgets (device_budgets.py): the job's groups, the driver and all it starts in the host group,
         # each worker moving itself to its fake GPU's; the busy fractions at the end; the groups removed
         host = env.get(device_budgets.HOST_ENV)
@@ -197,7 +202,7 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
             try:
                 result = _run_main_ppo({**env, **scratch_env, device_budgets.ROOT_ENV: jb.rel}, overrides, cwd,
                                        timeout_s, log_path, on_line, preexec=lambda: jb.place(os.getpid(), []),
-                                       module=module)
+                                       module=module, done=done, exit_grace_s=exit_grace_s)
             finally:
                 sampler.stop()
             busy = jb.busy_fractions(before, result.seconds)
@@ -206,14 +211,15 @@ def run_main_ppo(overrides: list[str], cwd: str | Path, timeout_s: float = 900.0
                 with open(log_path, "a") as log:
                     log.write(line + "\n")
             return RunResult(result.returncode, result.output + line + "\n", result.seconds, busy,
-                             sampler.samples, dict(sampler.budgets))
+                             sampler.samples, dict(sampler.budgets), result.stopped_after_done)
         finally:
             jb.remove()
 
 
 def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, timeout_s: float,
                   log_path: str | Path | None, on_line: Callable[[str], None] | None,
-                  preexec: Optional[Callable[[], None]] = None, module: str = "verl.trainer.main_ppo") -> RunResult:
+                  preexec: Optional[Callable[[], None]] = None, module: str = "verl.trainer.main_ppo",
+                  done: Callable[[str], bool] | None = None, exit_grace_s: float = 180.0) -> RunResult:
     from verl_tide.testing import private_tmp
 
     env.setdefault("RAY_DEDUP_LOGS", "0")
@@ -232,25 +238,35 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
 
     timer = threading.Timer(timeout_s, kill_job)
     timer.start()
+    grace: Optional[threading.Timer] = None  # armed by the line that says the work is over
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
             if on_line is not None:
                 on_line(line.rstrip("\n"))
+            if grace is None and done is not None and done(line):
+                grace = threading.Timer(exit_grace_s, kill_job)
+                grace.start()
         rc = proc.wait()
         out = "".join(lines)
-        if not timer.is_alive():
+        stopped = grace is not None and not grace.is_alive()
+        if stopped:
+            out += f"\n[its last step logged, the job had not exited {exit_grace_s:g}s later: stopped]"
+            rc = 0
+        elif not timer.is_alive():
             out += f"\n[timed out after {timeout_s}s]"
             rc = -9
     finally:
         timer.cancel()
+        if grace is not None:
+            grace.cancel()
         if proc.poll() is None:
             kill_job()
     if log:
         log.write(out)
         log.close()
-    return RunResult(rc, out, time.monotonic() - start)
+    return RunResult(rc, out, time.monotonic() - start, stopped_after_done=stopped)
 
 
 def spawn_env_service(*extra_args: str, latency_scale: float = 0.0, python: str | None = None,
@@ -277,7 +293,8 @@ def spawn_env_service(*extra_args: str, latency_scale: float = 0.0, python: str 
 def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path, *env_args: str,
                          latency_scale: float = 0.0, timeout_s: float = 900.0, log_path: str | Path | None = None,
                          on_line: Callable[[str], None] | None = None,
-                         module: str = "verl.trainer.main_ppo") -> tuple[RunResult, dict]:
+                         module: str = "verl.trainer.main_ppo",
+                         done: Callable[[str], bool] | None = None) -> tuple[RunResult, dict]:
     """A `main_ppo` job against its own environment service (`verl-tide env serve --session-timeout 600
     *env_args`): `overrides(url)` builds the job's overrides; returns the run and the service's /health after it
     (sessions started, ended, open, `first_start_unix`); the service is stopped either way."""
@@ -288,7 +305,7 @@ def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path,
     proc, url = spawn_env_service("--session-timeout", "600", *env_args, latency_scale=latency_scale)
     try:
         run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line,
-                           host_pids=(proc.pid,), module=module)
+                           host_pids=(proc.pid,), module=module, done=done)
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             health = json.load(r)
     finally:
