@@ -69,9 +69,10 @@ def main(argv: list[str] | None = None) -> int:
                          "cgroup CPU controller; testing/device_budgets.py); 'auto': half the machine's cores "
                          "shared by the fake GPUs, the other half the host's, where cgroups are writable, else "
                          "none; 'none' or left out: every fake GPU shares the machine's cores")
-    ap.add_argument("--report-partial", default=None, metavar="PARTIAL_JSON",
-                    help="run nothing: report the runs a sitting cut short kept in its <json>.partial (each system "
-                         "with the rounds it finished)")
+    ap.add_argument("--report-partial", action="append", default=None, metavar="PARTIAL_JSON",
+                    help="run nothing: report the runs sittings cut short kept in their <json>.partial (repeat it "
+                         "to pool sittings under the same budgets; each system with the runs it finished, its "
+                         "failed runs listed beside them)")
     ap.add_argument("--host-cores", type=float, default=None,
                     help="with --device-budgets: the host side's quota (default: the cores the fake GPUs leave)")
     args = ap.parse_args(argv)
@@ -84,10 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     budgets = device_budgets_env(cores, host)
     available = {s.name: s for s in systems(job, args.max_staleness, tide_rollout_gpus=tide_rollout_gpus,
                                             attribution=args.attribution)}
-    if args.report_partial:  # a sitting cut short: report the runs that finished, as they were kept
-        saved = json.loads(Path(args.report_partial).read_text())
-        budgets = saved["device_budgets"]
-        runs = {name: [restored(r) for r in rs] for name, rs in saved["runs"].items() if rs}
+    failed: dict[str, list[dict]] = {}
+    if args.report_partial:  # sittings cut short: report the runs that finished, as they were kept
+        budgets, runs, failed = merged_partials([json.loads(Path(p).read_text()) for p in args.report_partial])
         ran = dict.fromkeys(runs)
     else:
         ran = {name: available[name] for name in chosen(list(available), args.only)}
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "clock": "first /start to the last step's metrics line",
                                               "repeats": max(1, args.repeats), "seed": args.seed,
                                               **({"cut_short": "the sitting was cut short: each system's rounds "
-                                                               "are its goodput_runs"} if args.report_partial else {}),
+                                                               "are its goodput_runs", "failed_runs": failed}
+                                                 if args.report_partial else {}),
                                               **results}, indent=2, default=str))
     return 0 if len(finished) == len(ran) else 1
 
@@ -165,6 +166,24 @@ def run_rounds(args, ran: dict, job, work: Path, latency: float, extra: tuple[st
                 f"{r['goodput_tok_s']:.1f} tok/s over {r['wall_s']:.1f} s wall (start-up {r['startup_s']:.1f} s)"
                 if r["returncode"] == 0 else f"FAILED (exit {r['returncode']})"), flush=True)
     return runs
+
+
+def merged_partials(saved: list[dict]) -> tuple[dict, dict[str, list[dict]], dict[str, list[dict]]]:
+    """Sittings' kept runs pooled per system: the finished runs, and the failed ones apart (with their errors)."""
+    budgets = {json.dumps(s["device_budgets"], sort_keys=True) for s in saved}
+    if len(budgets) != 1:
+        raise SystemExit(f"--report-partial: the sittings ran under different device budgets ({sorted(budgets)})")
+    runs: dict[str, list[dict]] = {}
+    failed: dict[str, list[dict]] = {}
+    for s in saved:
+        for name, rs in s["runs"].items():
+            for r in rs:
+                if r.get("returncode") == 0:
+                    runs.setdefault(name, []).append(restored(r))
+                else:
+                    failed.setdefault(name, []).append({"returncode": r.get("returncode"),
+                                                        "error": str(r.get("error", ""))[-500:]})
+    return saved[0]["device_budgets"], runs, failed
 
 
 def restored(run: dict) -> dict:

@@ -246,16 +246,27 @@ def test_a_sitting_cut_short_reports_the_runs_it_kept(tmp_path):
 
     partial = tmp_path / "p.json"
     partial.write_text(json.dumps({"preset": "demo", "device_budgets": {"cores_per_gpu": 0.5},
-                                   "runs": {"verl sync": [run(200.0)], "tide": [run(300.0), run(340.0)],
-                                            "verl colocate_async": []}}))
+                                   "runs": {"verl sync": [run(200.0)], "tide": [run(300.0)],
+                                            "verl colocate_async": [], "verl fully_async 1T/1R + dynamic schedule":
+                                            [{"returncode": -6, "error": "hung"}]}}))
+    later = tmp_path / "q.json"  # a second sitting under the same budgets
+    later.write_text(json.dumps({"preset": "demo", "device_budgets": {"cores_per_gpu": 0.5},
+                                 "runs": {"tide": [run(340.0)]}}))
     out = tmp_path / "out.json"
-    assert mod.main(["--report-partial", str(partial), "--workdir", str(tmp_path / "w"), "--json", str(out)]) == 0
+    assert mod.main(["--report-partial", str(partial), "--report-partial", str(later), "--workdir", str(tmp_path / "w"),
+                     "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["failed_runs"] == {"verl fully_async 1T/1R + dynamic schedule": [{"returncode": -6, "error": "hung"}]}
+    assert "verl fully_async 1T/1R + dynamic schedule" not in report
     assert report["tide"]["goodput_runs"] == [300.0, 340.0] and report["tide"]["goodput_tok_s"] == 320.0
     assert report["verl sync"]["goodput_runs"] == [200.0] and "verl colocate_async" not in report
     assert report["best_stock"]["tide"] == {"system": "verl sync", "ratio": 1.6}
     assert report["device_budgets"] == {"cores_per_gpu": 0.5} and "cut_short" in report
     assert (tmp_path / "w" / "rewards_by_step.png").exists() and (tmp_path / "w" / "rewards_by_wall_s.png").exists()
+    other = tmp_path / "r.json"
+    other.write_text(json.dumps({"preset": "demo", "device_budgets": {"cores_per_gpu": 0.7}, "runs": {}}))
+    with pytest.raises(SystemExit, match="different device budgets"):
+        mod.main(["--report-partial", str(partial), "--report-partial", str(other), "--workdir", str(tmp_path / "w")])
 
 
 def test_a_job_that_hangs_after_its_last_step_is_stopped_and_counted_not_failed(tmp_path):
