@@ -26,7 +26,7 @@ schema). Takes about 12 minutes on 2 cores.
 `--preset every_part` probes the every-part job instead (`verl_tide.testing.demo.preset_job`: a Ref model with KL,
 3 fake GPUs, small KV caches, evaluation every 3 steps, the environment's latency doubled): its trainer probe runs
 that job under `sync`, the environment is probed at its latency, and the profile carries its KV cache; with
-`--base-profile` the fake GPU's engine, switch and start rates come from a profile measured at the same budgets
+`--base-profile` the fake GPU's engine and switch rates come from a profile measured at the same budgets
 (same device, same model) instead of their probes (about 6 minutes).
 
     python benchmarks/testbed_calibrate.py --device-budgets 0.7 --host-cores 0.6
@@ -272,9 +272,9 @@ def _cached(path: Path, probe: Callable[[], dict]) -> dict:
     return json.loads(path.read_text())
 
 
-def device_probes(args, work: Path, trainer: dict, cores: float | None) -> tuple[dict, dict, dict]:
-    """The fake GPU's own rates (engine, hybrid switch, lazy start): probed, or, with `--base-profile`, taken from a
-    profile measured at the same budgets (the device and the model are the same; only the job differs)."""
+def device_probes(args, work: Path, trainer: dict, cores: float | None) -> tuple[dict, dict]:
+    """The fake GPU's own rates (engine, hybrid switch): probed, or, with `--base-profile`, taken from a profile
+    measured at the same budgets (the device and the model are the same; only the job differs)."""
     if args.base_profile:
         rates = dict(load_profile(args.base_profile).measured.rates)
         engine = {k: rates[k] for k in ("prefill_tok_s", "decode_weight_s", "decode_seq_s", "decode_kv_s_per_token",
@@ -282,7 +282,7 @@ def device_probes(args, work: Path, trainer: dict, cores: float | None) -> tuple
         engine["request_overhead_s"] = 0.0  # the engine's own round trip: not in a profile
         switch = {"switch_s": rates["hybrid_switch_s"], "actor_after_switch_s": rates["actor_after_switch_s"],
                   "from": args.base_profile}
-        return engine, switch, {"start_s": rates["start_s"], "from": args.base_profile}
+        return engine, switch
     switch = _cached(work / "switch_probe.json", lambda: probe_switch(work, args.steps, timeout_s=1200))
     print(f"[calibrate] switch: {json.dumps(switch)}", flush=True)
     jb = device_budgets.JobBudgets.create(1, cores, host_cores=args.host_cores) if cores else None
@@ -292,7 +292,7 @@ def device_probes(args, work: Path, trainer: dict, cores: float | None) -> tuple
     finally:
         if jb:
             jb.remove()
-    return engine, switch, {"start_s": trainer["start_s"]}
+    return engine, switch
 
 
 def probe_env(args, model: str, latency_scale: float, cores: float | None):
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=PRESETS, default="demo", help="the head-to-head job whose workload to write")
     ap.add_argument("--base-profile", default=None,
-                    help="take the fake GPU's engine, switch and start rates from this profile (measured at the "
+                    help="take the fake GPU's engine and switch rates from this profile (measured at the "
                          "same budgets) instead of probing them; the trainer's rates are this job's own")
     ap.add_argument("--device-budgets", type=float, default=None, metavar="CORES", help="cores per fake GPU")
     ap.add_argument("--host-cores", type=float, default=None)
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     pj = preset_job(args.preset, work, args.steps)
     trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, args.steps, 1200, args.preset))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
-    engine, switch, start = device_probes(args, work, trainer, cores)
+    engine, switch = device_probes(args, work, trainer, cores)
     print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
     envs = probe_env(args, trainer["model_path"], pj.latency_scale, cores)
     print(f"[calibrate] environment: {json.dumps(envs.summary())}", flush=True)
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = {
         "name": f"testbed-cpu ({budget}{job_part})",
         "source": f"benchmarks/testbed_calibrate.py --preset {args.preset}, {date.today().isoformat()}, commit "
-                  f"{commit}, 2-core x86_64" + (f"; engine, switch and start from {args.base_profile}"
+                  f"{commit}, 2-core x86_64" + (f"; engine and switch from {args.base_profile}"
                                                 if args.base_profile else ""),
         "device_budgets": budget,
         "model": {"params_b": round(spec.params_b, 6), "kv_bytes_per_token": spec.kv_bytes_per_token},
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             "actor_after_switch_s": round(switch["actor_after_switch_s"], 4),
             "step_overhead_s": round(trainer["step_overhead_s"], 4),
             "request_overhead_s": round(request_overhead_s, 4),
-            "start_s": round(start["start_s"], 3),
+            "start_s": round(trainer["start_s"], 3),
         },
     }
     Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.workload).write_text("# Measured: benchmarks/testbed_calibrate.py (the environment probed through its "
                                    "service, the prompt from the job)\n" + yaml.safe_dump(workload, sort_keys=False))
     out = {"date": date.today().isoformat(), "commit": commit, "preset": args.preset, "device_budgets": budget,
-           "engine": engine, "trainer": trainer, "switch": switch, "start": start, "environment": envs.summary(),
+           "engine": engine, "trainer": trainer, "switch": switch, "environment": envs.summary(),
            "profile": profile, "workload": workload, "wall_s": round(time.monotonic() - t0, 1)}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(f"[calibrate] wrote {args.profile}, {args.workload}, {args.json} ({out['wall_s']} s)")
