@@ -239,6 +239,11 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
     timer = threading.Timer(timeout_s, kill_job)
     timer.start()
     grace: Optional[threading.Timer] = None  # armed by the line that says the work is over
+    stopped_done = threading.Event()  # set before the grace's kill starts (the kill may outlast the pipe)
+
+    def stop_after_done() -> None:
+        stopped_done.set()
+        kill_job()
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -246,11 +251,11 @@ def _run_main_ppo(env: dict[str, str], overrides: list[str], cwd: str | Path, ti
             if on_line is not None:
                 on_line(line.rstrip("\n"))
             if grace is None and done is not None and done(line):
-                grace = threading.Timer(exit_grace_s, kill_job)
+                grace = threading.Timer(exit_grace_s, stop_after_done)
                 grace.start()
         rc = proc.wait()
         out = "".join(lines)
-        stopped = grace is not None and not grace.is_alive()
+        stopped = stopped_done.is_set()
         if stopped:
             out += f"\n[its last step logged, the job had not exited {exit_grace_s:g}s later: stopped]"
             rc = 0
