@@ -134,14 +134,15 @@ def test_the_environment_probe_measures_a_real_service():
 
 @pytest.mark.parametrize("measured_json, validation_json", [
     ("e2e_compare_budgeted_cpu.json", "sim_validation_testbed_cpu.json"),
-    ("e2e_compare_budgeted_0.5_cpu.json", "sim_validation_testbed_0.5_cpu.json")])
+    ("e2e_compare_budgeted_0.5_cpu.json", "sim_validation_testbed_0.5_cpu.json"),
+    ("e2e_every_part_budgeted_0.5_cpu.json", "sim_validation_testbed_every_part_0.5_cpu.json")])
 def test_the_validation_runs_the_head_to_heads_systems_and_reports_each(measured_json, validation_json):
     mod = _sim_validation()
     measured = json.loads((ROOT / "benchmarks/results" / measured_json).read_text())
-    systems = mod.specs(*mod.JOBS["demo"])
+    report = json.loads((ROOT / "benchmarks/results" / validation_json).read_text())
+    systems = mod.specs(*mod.JOBS[report["job"].split()[0]])
     ran = [n for n in measured if isinstance(measured[n], dict) and "goodput_tok_s" in measured[n]]
     assert ran and all(n in systems for n in ran), "a measured system the validation does not know"
-    report = json.loads((ROOT / "benchmarks/results" / validation_json).read_text())
     assert report["measured"]["file"] == f"benchmarks/results/{measured_json}"
     assert set(report["systems"]) == set(ran)
     for name, r in report["systems"].items():
