@@ -25,7 +25,7 @@ TIDE = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval
 
 
 def test_presets_ship_and_parse():
-    assert presets() == ["alfworld", "osworld", "sciboard", "testbed_demo", "webshop"]
+    assert presets() == ["alfworld", "osworld", "sciboard", "testbed_demo", "testbed_every_part", "webshop"]
     for name in presets():
         w = load_workload(name)
         assert w.name == name and w.steps >= 1 and w.group_size >= 1
