@@ -64,7 +64,7 @@ from verl_tide.sim.plan import model_from_hf_config  # noqa: E402
 from verl_tide.testing import device_budgets  # noqa: E402
 from verl_tide.testing.compare import System, job_overrides, wall_clock_summary  # noqa: E402
 from verl_tide.testing.compare import systems as stock_systems  # noqa: E402
-from verl_tide.testing.demo import PRESETS, demo_job, env_agent_overrides, preset_job  # noqa: E402
+from verl_tide.testing.demo import PRESETS, PresetJob, demo_job, env_agent_overrides, preset_job  # noqa: E402
 from verl_tide.testing.platform import TEST_BED_ENV  # noqa: E402
 from verl_tide.testing.testbed import free_port, parse_step_metrics, run_with_env_service, spawn_env_service  # noqa: E402
 
@@ -160,15 +160,14 @@ PHASES = ("timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv
           "timing_s/update_weights", "timing_s/reward")
 
 
-def probe_trainer(work: Path, steps: int, timeout_s: float, preset: str = "demo") -> dict:
-    pj = preset_job(preset, work, steps)
-    job = pj.job
+def probe_trainer(work: Path, pj: PresetJob, timeout_s: float) -> dict:
+    job, steps = pj.job, pj.job.steps
     sync = System("verl sync", (), job.n_gpus)
     seen: dict = {}  # the service's URL, and its agent-turn counters when step 1's line arrives
 
     def overrides(url: str) -> list[str]:
         seen["url"] = url
-        return [*job_overrides(job, sync, env_agent_overrides(url)), *pj.extra]
+        return job_overrides(job, sync, [*env_agent_overrides(url), *pj.extra])  # as the head-to-head runs it
 
     timed: list[tuple[float, str]] = []  # every line with its arrival: the head-to-head's clock, step by step
 
@@ -336,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{f'{cores} cores per fake GPU' if cores else 'none (shared cores)'}", flush=True)
     t0 = time.monotonic()
     pj = preset_job(args.preset, work, args.steps)
-    trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, args.steps, 1200, args.preset))
+    trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, pj, timeout_s=1200))
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
     engine, switch = device_probes(args, work, trainer, cores)
     print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
