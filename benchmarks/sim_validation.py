@@ -22,7 +22,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from verl_tide.sim.bench import STOCK_SYSTEMS
+from verl_tide.sim.bench import STOCK_SYSTEMS, VERL_SYNC
 from verl_tide.sim.cluster import Simulation, SystemSpec
 from verl_tide.sim.hardware import load_profile
 from verl_tide.sim.workload import load_workload
@@ -42,7 +42,7 @@ def specs(gpus: int, tide_rollout_gpus: int, ref_model: bool) -> dict[str, Syste
     switch = {**STOCK_SYSTEMS["verl_separate_async_switch"], "parameter_sync_step": 1}
     plain = {**STOCK_SYSTEMS["verl_separate_async"], "parameter_sync_step": 1}
     out: dict[str, SystemSpec | None] = {
-        "verl sync": SystemSpec("verl_sync", sync=True),
+        "verl sync": SystemSpec("verl_sync", **VERL_SYNC),
         # the hybrid engine time-sharing every GPU between rollout and training, one step off-policy: no model yet
         "verl colocate_async": None,
     }

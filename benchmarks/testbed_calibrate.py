@@ -401,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
                              description=f"the test bed's {args.preset} job (tiny model, tiny_slow guessing game, "
                                          f"{job.n_gpus} fake GPUs), measured by benchmarks/testbed_calibrate.py on "
                                          f"{date.today().isoformat()}")
-    if pj.eval_every_steps:  # verl validates its val set (2 prompts, one sample each) every test_freq steps
-        workload["eval"] = {"every_steps": pj.eval_every_steps, "at_start": job.validate, "groups": 2, "group_size": 1}
+    if pj.eval_every_steps:  # verl validates its val set (2 prompts, one sample each) every test_freq steps and
+        # after the last step, before that step's metrics line (the head-to-head's clock ends there)
+        workload["eval"] = {"every_steps": pj.eval_every_steps, "at_start": job.validate, "at_end": True, "groups": 2,
+                            "group_size": 1}
     # The job, not the environment, decides how long an episode is: its response length (96 tokens) ends it after
     # the observation that overflows it. Turns from the job's own count; the tokens an observation adds to the
     # trajectory (the environment's text in the chat template) from its response length.

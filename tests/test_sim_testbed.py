@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from verl_tide.sim.bench import STOCK_SYSTEMS, VERL_SYNC
 from verl_tide.sim.cluster import Simulation, SystemSpec
+from verl_tide.sim.evaluation import first_look
 from verl_tide.sim.env_probe import fit, probe_environment
 from verl_tide.sim.hardware import Costs, Hardware, fit_decode_iteration, load_profile, profile_names
 from verl_tide.sim.plan import PlanError, hardware_named
@@ -65,6 +67,34 @@ def test_host_overheads_lengthen_steps_and_turns_as_measured():
     turns = w.turns.mean
     # every turn (and the start) waits 0.5 s more: a step's rollout is at least turns x 0.5 s longer
     assert slow_turn.steps[0]["end_s"] - base.steps[0]["end_s"] >= 0.5 * turns - 0.1
+
+
+def test_verls_sampler_poll_rounds_a_sync_steps_rollout_up_to_its_next_look():
+    w = replace(load_workload("testbed_demo"), steps=4)
+    continuous = Simulation(w, 2, SystemSpec("verl_sync", sync=True), _profile(), dt=0.05).run()
+    polled = Simulation(w, 2, SystemSpec("verl_sync", **VERL_SYNC), _profile(), dt=0.05).run()
+    # the same trajectories (one seed), each batch seen at the sampler's first look after it is ready: a step
+    # is longer by less than one poll, and by some of one at least once
+    longer = [(b["end_s"] - b["start_s"]) - (a["end_s"] - a["start_s"]) for a, b in zip(continuous.steps, polled.steps)]
+    assert all(-0.06 < d < VERL_SYNC["poll_s"] + 0.06 for d in longer) and max(longer) > 0.5
+    assert first_look(10.0, 14.1, 2.0) == 16.0 and first_look(10.0, 14.0, 2.0) == 14.0
+    assert first_look(10.0, 9.0, 2.0) == 10.0 and first_look(10.0, 14.1, 0.0) == 14.1
+
+
+@pytest.mark.parametrize("spec", [SystemSpec("verl_sync", **VERL_SYNC),
+                                  SystemSpec("separate_async", rollout_ratio=0.5, **STOCK_SYSTEMS["verl_separate_async"]),
+                                  SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p",
+                                             eval_blocks_trainer=False, elastic=True)], ids=lambda s: s.name)
+def test_a_validation_after_the_last_step_runs_and_ends_the_clock(spec):
+    w = replace(load_workload("testbed_every_part"), steps=4)
+    assert w.eval.at_end and w.eval_after(3) and w.eval_after(4) and not w.eval_after(2) and not w.eval_after(5)
+    without = replace(w, eval=replace(w.eval, at_end=False))
+    r, r0 = (Simulation(x, 3, spec, load_profile("testbed-cpu-0.5-every-part"), dt=0.05).run() for x in (w, without))
+    # one more validation round (2 groups of one) after the last update, and the run lasts until it is seen
+    assert r.ledger["eval_tokens"] > r0.ledger["eval_tokens"]
+    assert r.makespan_s > r.steps[-1]["end_s"] + 1.0 and r.consumed_tokens == r0.consumed_tokens
+    # nothing before it changed (the last step's boundary now plans for the validation after it)
+    assert [(s["start_s"], s["end_s"]) for s in r.steps] == [(s["start_s"], s["end_s"]) for s in r0.steps]
 
 
 def test_the_decode_fit_tells_a_sequences_own_cost_from_its_contexts():

@@ -29,6 +29,9 @@ from verl_tide.sim.workload import Workload
 RATIOS = (0.125, 0.25, 0.375, 0.5, 0.625, 0.75)  # where the best lies at an end, the sweep is too short
 PARAMETER_SYNC_STEPS = (1, 4)  # verl's asynchronous modes: the whole batch, or verl's default 4 mini-batches a sync
 
+# verl's synchronous trainer (trainer_mode=sync): colocated, its sampler looking at the replay buffer every 2 s
+VERL_SYNC: dict = {"sync": True, "poll_s": 2.0}
+
 # The stock systems, each swept over the split (and verl's over parameter_sync_step) and reported at its best.
 STOCK_SYSTEMS: dict[str, dict] = {
     # trainer_mode=separate_async, actor_rollout_ref.hybrid_engine=False: standalone rollout, the trainer takes PPO
@@ -119,7 +122,7 @@ def run_bench(w: Workload, gpus: int, hw: Hardware = Hardware(), seed: int = 0, 
 
     plan_ms: list[float] = []
     parameter_sync_of: dict[str, int] = {}
-    results: dict[str, Result] = {"verl_sync": sim(SystemSpec("verl_sync", sync=True, micro_batch_per_gpu=8))}
+    results: dict[str, Result] = {"verl_sync": sim(SystemSpec("verl_sync", micro_batch_per_gpu=8, **VERL_SYNC))}
     # every stock system at each split, and verl's modes at each parameter_sync_step of the sweep; each reported
     # at its best
     sweep: dict[str, Result] = {}

@@ -39,6 +39,7 @@ from verl_tide.ers.policy import ERSPolicy
 from verl_tide.ra2p.cost import RA2PMode, StageTimes, next_step_mode
 from verl_tide.sim.boundary import SimBoundaryPort
 from verl_tide.sim.engine import Request, RolloutRank
+from verl_tide.sim.evaluation import Evaluation, first_look
 from verl_tide.sim.hardware import Costs, Hardware
 # the records lived here first; callers import SystemSpec and Result from the simulation
 from verl_tide.sim.records import (CONSUME_MODES, Consume, Group, OpenStep, Result, StepRecord,  # noqa: F401
@@ -162,8 +163,8 @@ class Simulation:
             self._size_micro_batches_after_resize()
             need = {Consume.GLOBAL: self.M, Consume.MINI_BATCH: min(self.per_mini_batch, self._step_M)}.get(
                 self.spec.consume, 1)
-            eval_blocked = self.spec.eval_blocks_trainer and any(
-                g.done + g.failed < g.size for g in self.rollout.eval_pending)
+            eval_blocked = self.spec.eval_blocks_trainer and self.evaluation is not None and not self.evaluation.done(
+                self.t)
             if self.hybrid.on and self.spec.lend_actor:  # ERS's: enough ready that the rest arrives in training
                 need = max(need, min(self._lend_return_at, self._step_M))
             if self.hybrid.on and self.hybrid.switch is not None:  # verl's threshold of the batch ready first
@@ -195,10 +196,9 @@ class Simulation:
     def _sampler_sees(self, need: int) -> bool:
         """verl separate_async's sampler looks at its replay buffer every `poll_s` from when it starts waiting
         (after the last weight sync): the `need`-th ready micro-batch counts from its first look after it."""
-        poll, since = self.spec.poll_s, self.trainer_free_at
-        if not poll or self.spec.consume is not Consume.MINI_BATCH or self.rollout.micro_batches[need - 1].ready_at <= since:
+        if self.spec.consume is not Consume.MINI_BATCH:
             return True
-        return self.t >= since + math.ceil((self.rollout.micro_batches[need - 1].ready_at - since) / poll - 1e-9) * poll
+        return self.t >= first_look(self.trainer_free_at, self.rollout.micro_batches[need - 1].ready_at, self.spec.poll_s)
 
     def _finish_step(self, step: OpenStep) -> None:
         start, mbs = step.start, step.mbs
@@ -257,7 +257,7 @@ class Simulation:
                                     generating_token_s=self._generating_token_s)
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.sync_s
-        eval_next = self.w.is_eval_step(self.consumed_steps) and self.consumed_steps < self.w.steps
+        eval_next = self.w.eval_after(self.consumed_steps)
         if self.ers is not None or self.spec.consume is Consume.RA2P:
             rec.plan = self.boundary.decide(end, sync_end, eval_next, times)
         if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
@@ -294,17 +294,18 @@ class Simulation:
     def run(self, max_sim_s: float = 1e6) -> Result:
         self._pending_after_sync = None
         self._post_update = None
+        self.evaluation: Optional[Evaluation] = None  # the last validation round released
         self.sync = SyncCycle() if self.spec.sync else None  # verl's synchronous trainer (sim/sync.py)
         if not self.spec.sync:
             if self.w.is_eval_step(0):
-                self.rollout.release_eval()
+                self.release_eval()
             if self.spec.lend_actor or self.spec.hybrid:  # verl's hybrid engine starts in rollout mode
                 self.hybrid.set(self, wake=True, switch_s=0.0)
             self.rollout.release_train_groups()
             self.tracker.rollout_started(t=self.t)
             if self.rollout.ctb is not None:
                 self.boundary.budget_inputs(mark_only=True)  # the window's first interval counts from the rollout's start
-        while self.consumed_steps < self.w.steps:
+        while self.consumed_steps < self.w.steps or self._final_eval_open():
             if self.t > max_sim_s:
                 raise RuntimeError(f"{self.spec.name}: not finished after {max_sim_s:.0f} simulated seconds")
             if self.sync is not None:
@@ -317,7 +318,7 @@ class Simulation:
                 if self.rollout.ctb is not None:
                     self.boundary.budget_inputs(mark_only=True)  # the window's next interval counts from the sync's end
                 if eval_next:
-                    self.rollout.release_eval()
+                    self.release_eval()
                 self.rollout.release_train_groups()
             while self.rollout.env and self.rollout.env[0][0] <= self.t:
                 _, _, kind, tr = heapq.heappop(self.rollout.env)
@@ -349,6 +350,15 @@ class Simulation:
                 self._trainer_tick()
         makespan = max(self.step_records[-1].end_s, self.t)
         return self._result(makespan)
+
+    def release_eval(self) -> None:
+        """A validation round starts: the trainer's sampler looks for its results every `poll_s`."""
+        self.evaluation = Evaluation(self.rollout.release_eval(), self.t, self.consumed_steps, self.spec.poll_s)
+
+    def _final_eval_open(self) -> bool:
+        """verl's validation after the last step (`eval.at_end`) has not ended: the run's clock runs on."""
+        ev = self.evaluation
+        return self.w.eval_after(self.w.steps) and not (ev is not None and ev.after == self.w.steps and ev.done(self.t))
 
     def _rollout_blocked(self, rr: RolloutRank) -> bool:
         """Rollout waits for the trainer: paused by a weight sync, or out of work because of the staleness

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from verl_tide.sim.bench import RATIOS, STOCK_SYSTEMS
+from verl_tide.sim.bench import RATIOS, STOCK_SYSTEMS, VERL_SYNC
 from verl_tide.sim.cluster import Result, Simulation, SystemSpec
 from verl_tide.sim.hardware import Costs, Hardware, load_profile, profile_names
 from verl_tide.sim.workload import ModelSpec, Workload, load_workload
@@ -143,7 +143,7 @@ def plan(w: Workload, gpus: int, hw: Hardware, parameter_sync_step: int = 4) -> 
     except ValueError as e:
         raise PlanError(f"actor_rollout_ref.model.path: {e} ({hw.name})") from e
     t0 = time.monotonic()
-    runs: dict[str, Result] = {"verl_sync": Simulation(w, gpus, SystemSpec("verl_sync", sync=True), hw).run()}
+    runs: dict[str, Result] = {"verl_sync": Simulation(w, gpus, SystemSpec("verl_sync", **VERL_SYNC), hw).run()}
     stock: dict[str, dict[float, Result]] = {}
     for name in PLAN_SYSTEMS:
         rules = {**STOCK_SYSTEMS[name], "parameter_sync_step": parameter_sync_step}

@@ -48,7 +48,7 @@ class SystemSpec:
     # rule lends only after a weight sync and takes the replicas back once its threshold of the batch is ready
     hybrid_switch: str = "eager"
     parameter_sync_step: int = 4  # mini_batch: PPO mini-batches per weight sync (verl's default)
-    poll_s: float = 0.0  # mini_batch: the sampler looks for ready data every poll_s (separate_async: 2 s)
+    poll_s: float = 0.0  # verl V1's sampler looks for ready data (and validation results) every poll_s (2 s)
     partial_rollout: bool = False  # an aborted request resumes with the tokens it had (verl's async modes)
     micro_batch_per_gpu: int = 8  # sequences per trainer GPU per micro-batch
     max_aggregate: int = 8  # RA2P colocated: micro-batches one Ref load may cover (memory cap)

@@ -65,9 +65,10 @@ class Rollout:
             self.new_group(self.released_train_groups // per_step, self.sim.w.group_size)
             self.released_train_groups += 1
 
-    def release_eval(self) -> None:
+    def release_eval(self) -> list[Group]:
         e = self.sim.w.eval
         self.eval_pending = [self.new_group(-1, e.group_size) for _ in range(e.groups)]
+        return self.eval_pending
 
     @property
     def throttled(self) -> bool:

@@ -22,7 +22,9 @@ Schema (every key; distributions are `{dist, mean, sigma, min, max}` with dist i
     reference_gpus: int            # groups_per_step scales linearly with --gpus
     steps: int                     # training steps simulated
     max_staleness: int             # policy versions a trajectory may lag (async systems)
-    eval: {every_steps: int, at_start: bool, groups: int, group_size: int}   # every_steps 0 = never
+    eval: {every_steps: int, at_start: bool, at_end: bool, groups: int, group_size: int}   # every_steps 0 = never
+                                   # at_end: one more after the last step, the run's clock ending with it (verl
+                                   # validates after its last step whenever trainer.test_freq > 0)
 """
 
 from __future__ import annotations
@@ -89,6 +91,7 @@ class ContextWindow:
 class EvalSpec:
     every_steps: int = 0
     at_start: bool = False
+    at_end: bool = False
     groups: int = 0
     group_size: int = 1
 
@@ -122,6 +125,13 @@ class Workload:
         if e.groups <= 0:
             return False
         return (step == 0 and e.at_start) or (e.every_steps > 0 and step > 0 and step % e.every_steps == 0)
+
+    def eval_after(self, consumed: int) -> bool:
+        """Evaluation once `consumed` steps are done: every `every_steps`, and after the last step if `at_end`
+        (one evaluation there, as verl's `is_last_step or global_steps % test_freq == 0`)."""
+        if consumed >= self.steps:
+            return consumed == self.steps and self.eval.at_end and self.eval.groups > 0
+        return self.is_eval_step(consumed)
 
 
 _SCALARS = {"name": str, "description": str, "group_size": int, "groups_per_step": int, "reference_gpus": int,
@@ -269,6 +279,7 @@ def _eval(raw: Any, problems: list[str]) -> EvalSpec:
             problems.append(f"eval.{k} = {v!r}: must be an integer >= 0")
     if not isinstance(spec.group_size, int) or spec.group_size < 1:
         problems.append(f"eval.group_size = {spec.group_size!r}: must be an integer >= 1")
-    if not isinstance(spec.at_start, bool):
-        problems.append(f"eval.at_start = {spec.at_start!r}: must be true or false")
+    for k in ("at_start", "at_end"):
+        if not isinstance(getattr(spec, k), bool):
+            problems.append(f"eval.{k} = {getattr(spec, k)!r}: must be true or false")
     return spec
