@@ -214,6 +214,34 @@ def test_calibration_maps_verls_passes_onto_the_simulators_stages():
         assert rates["act_f_s_per_token"] == f
 
 
+def test_the_trainer_fit_recovers_fixed_and_per_token_parts_from_two_trainer_sizes(tmp_path):
+    spec = importlib.util.spec_from_file_location("trainer_fit", ROOT / "benchmarks" / "trainer_fit.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tokens, fixed, rate = 2400.0, {"ref": 0.2, "act_f": 0.25, "act_fb": 0.3}, {"ref": 8e-5, "act_f": 1e-4, "act_fb": 2.4e-4}
+
+    def point(ranks: int) -> dict:
+        return {**{k: fixed[k] + tokens * rate[k] / ranks for k in fixed}, "tokens": tokens}
+
+    f = mod.fit({3: point(3), 2: point(2)})
+    for k in ("ref", "act_fb"):
+        assert f[f"{k}_fixed_s"] == pytest.approx(fixed[k]) and f[f"{k}_s_per_token"] == pytest.approx(rate[k])
+    # the Actor's forward is split as the Ref forward is at the larger size: its sum is kept exactly
+    assert f["act_f_fixed_s"] + tokens * f["act_f_s_per_token"] / 3 == pytest.approx(point(3)["act_f"])
+    one = mod.fit({2: point(2)})  # one size: no fixed part, GPU-seconds per token
+    assert one["ref_fixed_s"] == 0 and one["ref_s_per_token"] * tokens / 2 == pytest.approx(point(2)["ref"])
+    # the profile's step overhead carries the fixed parts once, however often the fit is rerun
+    prof = tmp_path / "p.yaml"
+    prof.write_text("name: t\nmodel: {params_b: 0.1, kv_bytes_per_token: 8}\nrates: {step_overhead_s: 0.05}\n")
+    log = tmp_path / "sync.log"
+    log.write_text("\n".join(f"step:{n} - timing_s/ref:0.3 - timing_s/old_log_prob:0.3 - timing_s/update_actor:0.5 - "
+                             "perf/total_num_tokens:2400" for n in (1, 2, 3)))
+    for _ in range(2):
+        mod.main(["--point", f"3={log}", "--point", f"2={log}", "--profile", str(prof)])
+    import yaml
+    assert yaml.safe_load(prof.read_text())["rates"]["step_overhead_s"] == pytest.approx(0.05 + 0.3 + 0.3 + 0.5)
+
+
 def test_plan_takes_the_environment_from_a_probe_of_its_service(tmp_path, capsys):
     from verl_tide.cli import main as cli_main
 
