@@ -8,11 +8,14 @@ trainer sizes (their verl timers, steps 2 on): the Ref forward and the Actor's u
 forward (`old_log_prob`) from the larger size, split as the Ref forward's (the same model's forward on the same
 workers: a run with verl's hybrid switch lengthens its `old_log_prob` after each switch back, which the profile's
 `actor_after_switch_s` charges on its own). With one point the fixed parts are 0 and the rates are GPU-seconds.
-The fixed parts, summed, join the profile's `step_overhead_s`.
+The fixed parts, summed, join the profile's `step_overhead_s`. `--standalone-sync LOG` sets the profile's
+`standalone_sync_s` to a stock `separate_async` run's mean weight sync (`timing_s/update_weights`, steps 2 on): verl's
+checkpoint engine to replicas on fake GPUs of their own, which the `sync` probe's colocated sync does not show.
 
     python benchmarks/trainer_fit.py --point 3=/tmp/ep_sync/round1/verl_sync.log \
         --point 2=/tmp/ep/round1/verl_separate_async_2T-1R_plus_hybrid_switch.log \
-        --profile verl_tide/sim/profiles/testbed-cpu-0.5-every-part.yaml
+        --profile verl_tide/sim/profiles/testbed-cpu-0.5-every-part.yaml \
+        --standalone-sync /tmp/ep/round1/verl_separate_async_2T-1R_plus_hybrid_switch.log
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import yaml
 
 from verl_tide.testing.testbed import parse_step_metrics
 
-PASSES = {"ref": "timing_s/ref", "act_f": "timing_s/old_log_prob", "act_fb": "timing_s/update_actor"}
+PASSES = {"ref": "timing_s/ref", "act_f": "timing_s/old_log_prob", "act_fb": "timing_s/update_actor",
+          "weight_sync": "timing_s/update_weights"}
 
 
 def point_from_log(text: str) -> dict[str, float]:
@@ -43,7 +47,7 @@ def point_from_log(text: str) -> dict[str, float]:
 def point_from_calibration(report: dict) -> dict[str, float]:
     """The same from a `testbed_calibrate.py` report's trainer probe."""
     t = report["trainer"]
-    return {**{k: t["phase_s"][key] for k, key in PASSES.items()}, "tokens": t["tokens"] / t["steps_used"],
+    return {**{k: t["phase_s"].get(key, 0.0) for k, key in PASSES.items()}, "tokens": t["tokens"] / t["steps_used"],
             "steps": t["steps_used"]}
 
 
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a stock run of the job with RANKS trainer ranks: its main_ppo log, or a calibration JSON")
     ap.add_argument("--profile", required=True, help="the profile whose trainer terms to rewrite")
     ap.add_argument("--no-ref-model", action="store_true", help="the job has no Ref model (the demo job)")
+    ap.add_argument("--standalone-sync", default=None, metavar="LOG",
+                    help="a stock separate_async run's log: its mean weight sync becomes standalone_sync_s")
     args = ap.parse_args(argv)
     points: dict[int, dict[str, float]] = {}
     for p in args.point:
@@ -107,11 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("ref_s_per_token", "act_f_s_per_token", "act_b_s_per_token"):
         r[k] = float(f"{rates[k]:.3e}")
     r["step_overhead_s"] = round(base_overhead + rates["train_fixed_s"], 4)
+    if args.standalone_sync:
+        r["standalone_sync_s"] = round(point_from_log(Path(args.standalone_sync).read_text())["weight_sync"], 4)
     prof["trainer_fit"] = {"by": "benchmarks/trainer_fit.py", "train_fixed_s": round(rates["train_fixed_s"], 4),
                            **{k: float(f"{v:.4g}") for k, v in f.items()},
                            "points": {str(k): {kk: round(v, 4) for kk, v in p.items()} for k, p in points.items()}}
     prof_path.write_text(yaml.safe_dump(prof, sort_keys=False))
-    print(json.dumps({"fit": f, "rates": rates}, indent=1))
+    print(json.dumps({"fit": f, "rates": rates, "standalone_sync_s": r.get("standalone_sync_s")}, indent=1))
     return 0
 
 

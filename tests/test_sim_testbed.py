@@ -49,9 +49,10 @@ def test_a_bad_profile_names_every_key(tmp_path):
         assert key in msg
 
 
-def _profile(step_overhead_s: float = 0.0, request_overhead_s: float = 0.0) -> Hardware:
+def _profile(step_overhead_s: float = 0.0, request_overhead_s: float = 0.0, **more: float) -> Hardware:
     hw = load_profile("testbed-cpu")
-    rates = {**dict(hw.measured.rates), "step_overhead_s": step_overhead_s, "request_overhead_s": request_overhead_s}
+    rates = {**dict(hw.measured.rates), "step_overhead_s": step_overhead_s, "request_overhead_s": request_overhead_s,
+             **more}
     return replace(hw, measured=replace(hw.measured, rates=tuple(rates.items())))
 
 
@@ -95,6 +96,17 @@ def test_a_validation_after_the_last_step_runs_and_ends_the_clock(spec):
     assert r.makespan_s > r.steps[-1]["end_s"] + 1.0 and r.consumed_tokens == r0.consumed_tokens
     # nothing before it changed (the last step's boundary now plans for the validation after it)
     assert [(s["start_s"], s["end_s"]) for s in r.steps] == [(s["start_s"], s["end_s"]) for s in r0.steps]
+
+
+def test_a_sync_to_standalone_replicas_delays_async_steps_only():
+    w = replace(load_workload("testbed_demo"), steps=4)
+    sep = SystemSpec("separate_async", rollout_ratio=0.5, consume="mini_batch", parameter_sync_step=1)
+    for spec, slower in ((sep, True), (SystemSpec("verl_sync", sync=True), False)):
+        base = Simulation(w, 2, spec, _profile(), dt=0.05).run()
+        slow = Simulation(w, 2, spec, _profile(standalone_sync_s=3.0), dt=0.05).run()
+        # the async trainer's next step waits for the 3 s sync; verl sync's colocated sync is `sync_s`
+        assert (slow.makespan_s > base.makespan_s + 2.0) is slower
+        assert (slow.makespan_s == base.makespan_s) is not slower
 
 
 def test_the_decode_fit_tells_a_sequences_own_cost_from_its_contexts():

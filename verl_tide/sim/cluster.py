@@ -244,7 +244,7 @@ class Simulation:
         rec = StepRecord(self.consumed_steps, start, end, len(mbs), step.ras, mode, len(self.rollout.ranks),
                          len(self.ref_ranks))
         self.step_records.append(rec)
-        self.trainer_free_at = end + self.costs.sync_s  # no new step before the update and its sync
+        self.trainer_free_at = end + self.costs.rollout_sync_s  # no new step before the update and its sync
         self._post_update = (end, times, rec)
 
     def _post_update_boundary(self) -> None:
@@ -256,7 +256,7 @@ class Simulation:
         self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.rollout.ranks.items()}, kv_wait_s=self._kv_wait_s,
                                     generating_token_s=self._generating_token_s)
         self.tracker.step_finished(t=end)
-        sync_end = end + self.costs.sync_s
+        sync_end = end + self.costs.rollout_sync_s
         eval_next = self.w.eval_after(self.consumed_steps)
         if self.ers is not None or self.spec.consume is Consume.RA2P:
             rec.plan = self.boundary.decide(end, sync_end, eval_next, times)

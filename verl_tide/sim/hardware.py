@@ -96,6 +96,15 @@ class Costs:
     # on the budgeted test bed; why is not measured); not in verl's switch timers, so not in the cost verl's switch
     # rule and ERS weigh; 0 in the GPU profiles
     actor_after_switch_s: float = 0.0
+    # one weight sync to rollout replicas on GPUs of their own (verl's checkpoint engine: abort their requests,
+    # release the KV cache, build a process group, send, resume), where it differs from `sync_s`, the colocated
+    # replicas' (None: `sync_s`); measured on the test bed from a stock separate_async run, where it took 0.3-5.6 s
+    standalone_sync_s: Optional[float] = None
+
+    @property
+    def rollout_sync_s(self) -> float:
+        """The weight sync of an asynchronous system, whose rollout replicas stand on GPUs of their own."""
+        return self.sync_s if self.standalone_sync_s is None else self.standalone_sync_s
 
     @property
     def lend_switch_s(self) -> float:
@@ -191,7 +200,7 @@ def fit_decode_iteration(points: list[tuple[float, float, float]]) -> tuple[floa
 PROFILE_RATES = tuple(f.name for f in fields(Costs) if f.name not in (
     "weight_bytes", "kv_bytes_per_token", "state_bytes", "pcie_bytes_s", "resize_overhead_s"))
 OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s", "decode_seq_s", "start_s", "hybrid_switch_s",
-                  "actor_after_switch_s")
+                  "actor_after_switch_s", "standalone_sync_s")
 
 
 def profile_names() -> list[str]:
