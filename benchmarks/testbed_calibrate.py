@@ -191,7 +191,8 @@ def probe_trainer(work: Path, pj: PresetJob, timeout_s: float) -> dict:
                                                                health.get("first_start_unix"))["steps"].items()}
     if sorted(wall) != list(range(1, steps + 1)):
         raise RuntimeError(f"the probe's verl sync job: step lines {sorted(wall)} of {steps}: cannot time step 1")
-    steady = statistics.median(wall[n] - wall[n - 1] for n in range(2, steps + 1))
+    # a steady step on the clock: the gap between step lines less verl's validation in it (timed outside the step)
+    steady = steady_step_s(wall, {n: m[n].get("timing_s/testing", 0.0) for n in m})
     first_step_s = wall[1]
     tokens = sum(s["perf/total_num_tokens"] for s in later)
     # verl times its evaluation (timing_s/testing) outside the step's timer: the simulator runs it as the
@@ -217,6 +218,12 @@ def probe_trainer(work: Path, pj: PresetJob, timeout_s: float) -> dict:
             # verl sync has no overlap between steps: what its first step takes beyond a steady one is the lazy
             # start (the clock of the head-to-head runs from the first /start)
             "step1_s": first_step_s, "steady_step_s": steady, "start_s": max(0.0, first_step_s - steady)}
+
+
+def steady_step_s(wall: dict[int, float], testing_s: dict[int, float]) -> float:
+    """The median gap between consecutive step lines from step 2 on, each less the validation verl ran in it (after
+    its update, before its line): what the lazy start of step 1 is measured against."""
+    return statistics.median(wall[n] - wall[n - 1] - testing_s.get(n, 0.0) for n in sorted(wall) if n > 1)
 
 
 def trainer_rates(act_f: float, act_fb: float, ref: float) -> dict:

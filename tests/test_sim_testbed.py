@@ -224,6 +224,11 @@ def test_calibration_maps_verls_passes_onto_the_simulators_stages():
         simulated = rates["ref_s_per_token"] + rates["act_f_s_per_token"] + rates["act_b_s_per_token"]
         assert simulated == pytest.approx(verl_step)
         assert rates["act_f_s_per_token"] == f
+    # a steady step is a gap between step lines without the validation verl ran in it (every third step here)
+    wall = {1: 17.0, 2: 24.5, 3: 36.1, 4: 43.6}
+    assert mod.steady_step_s(wall, {3: 4.1}) == pytest.approx(7.5)
+    assert mod.steady_step_s(wall, {}) == pytest.approx(7.5)  # the median of 7.5, 11.6, 7.5
+    assert mod.steady_step_s({1: 17.0, 2: 24.5, 3: 36.1}, {3: 4.1}) == pytest.approx(7.5)
 
 
 def test_the_trainer_fit_recovers_fixed_and_per_token_parts_from_two_trainer_sizes(tmp_path):
