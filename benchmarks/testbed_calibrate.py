@@ -1,11 +1,15 @@
 """The test bed's hardware profile and the demo job's workload, measured (the simulator's inputs for the test bed).
 
-Four probes, each on the path the head-to-head runs, under the same device budgets where given:
+Five probes, each on the path the head-to-head runs, under the same device budgets where given:
 - trainer: the demo job under verl `sync` (`main_ppo`, the same overrides as the head-to-head's `verl sync`):
   from verl's own timers of steps 2 on, Actor forward (`old_log_prob`) and forward+backward (`update_actor`) per
   token, the weight sync (`update_weights`) and what a step spends outside those (`step_overhead_s`: the driver,
   Ray, reward, advantages); the job's prompt length, turns and response length; and, from its environment
   service, how long an agent takes from a reply to its next action (`agent_turn_s`, steps 2 on);
+- separate: the job under stock `separate_async` with one trainer GPU (`trainer_fit.probe_separate`): its passes on
+  one rank, with the `sync` probe's on all the job's GPUs, give each pass a fixed part and GPU-seconds per token
+  (`trainer_fit.fit`: the fixed parts join `step_overhead_s`), and its weight sync to standalone replicas gives
+  `standalone_sync_s`;
 - switch: the same job under stock `separate_async` 1T/1R with verl's hybrid switch on: verl's own timers of the
   switch to rollout and back (`hybrid_switch_s`, each way) and how much longer the Actor's passes take in a step
   that began with a switch back (`actor_after_switch_s`);
@@ -21,7 +25,7 @@ The agent's host path per turn (`request_overhead_s`) is the agent turn less the
 computes it at the probe job's load.
 
 Writes the profile (`--profile`, YAML, `sim/hardware.load_profile`) and the workload (`--workload`, the bench's
-schema). Takes about 12 minutes on 2 cores.
+schema). Takes about 17 minutes on 2 cores.
 
 `--preset every_part` probes the every-part job instead (`verl_tide.testing.demo.preset_job`: a Ref model with KL,
 3 fake GPUs, small KV caches, evaluation every 3 steps, the environment's latency doubled): its trainer probe runs
@@ -56,6 +60,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ctb_vllm import wait_ready  # noqa: E402
+from trainer_fit import fit, point_from_calibration, probe_separate, profile_rates  # noqa: E402
 
 from verl_tide.engine_metrics import engine_kv_capacity  # noqa: E402
 from verl_tide.sim.env_probe import probe_environment  # noqa: E402
@@ -343,6 +348,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     pj = preset_job(args.preset, work, args.steps)
     trainer = _cached(work / "trainer_probe.json", lambda: probe_trainer(work, pj, timeout_s=1200))
+    # the trainer's passes at a second size (one rank) and the weight sync to standalone replicas
+    separate = _cached(work / "separate_probe.json", lambda: probe_separate(work, pj, timeout_s=1200))
+    fitted = fit({pj.job.n_gpus: point_from_calibration({"trainer": trainer}), 1: separate})
+    passes = profile_rates(fitted, ref_model=trainer["phase_s"].get("timing_s/ref", 0.0) > 0)
     print(f"[calibrate] trainer: {json.dumps({k: v for k, v in trainer.items() if k != 'phase_s'})}", flush=True)
     engine, switch = device_probes(args, work, trainer, cores)
     print(f"[calibrate] engine: {json.dumps(engine)}", flush=True)
@@ -383,19 +392,23 @@ def main(argv: list[str] | None = None) -> int:
             "decode_kv_s_per_token": float(f"{engine['decode_kv_s_per_token']:.3e}"),
             "decode_seq_s": float(f"{engine['decode_seq_s']:.3e}"),
             "kv_capacity_tokens": kv, "kv_capacity_colocated": kv,  # the test bed's engines: one KV space each
-            "ref_s_per_token": float(f"{trainer['ref_s_per_token']:.3e}"),
-            "act_f_s_per_token": float(f"{trainer['act_f_s_per_token']:.3e}"),
-            "act_b_s_per_token": float(f"{trainer['act_b_s_per_token']:.3e}"),
-            "sync_s": round(trainer["sync_s"], 4),
+            # each pass as a fixed part (in step_overhead_s) plus GPU-seconds per token (benchmarks/trainer_fit.py)
+            "ref_s_per_token": float(f"{passes['ref_s_per_token']:.3e}"),
+            "act_f_s_per_token": float(f"{passes['act_f_s_per_token']:.3e}"),
+            "act_b_s_per_token": float(f"{passes['act_b_s_per_token']:.3e}"),
+            "sync_s": round(trainer["sync_s"], 4), "standalone_sync_s": round(separate["weight_sync"], 4),
             # the test bed keeps Ref and Actor resident (nothing to swap or load); `sync`'s phase switch lies inside
             # the timers read above (0 here); verl's hybrid switch aborts, sleeps and wakes its replica, each way
             # measured by the switch probe
             "swap_s": 0.0, "switch_s": 0.0, "hybrid_switch_s": round(switch["switch_s"], 4), "load_s": 0.0,
             "actor_after_switch_s": round(switch["actor_after_switch_s"], 4),
-            "step_overhead_s": round(trainer["step_overhead_s"], 4),
+            "step_overhead_s": round(trainer["step_overhead_s"] + passes["train_fixed_s"], 4),
             "request_overhead_s": round(request_overhead_s, 4),
             "start_s": round(trainer["start_s"], 3),
         },
+        "trainer_fit": {"by": "benchmarks/testbed_calibrate.py (trainer_fit.fit)",
+                        "train_fixed_s": round(passes["train_fixed_s"], 4),
+                        **{k: float(f"{v:.4g}") for k, v in fitted.items()}},
     }
     Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
     Path(args.profile).write_text("# The CPU test bed's fake GPU, measured (benchmarks/testbed_calibrate.py); "
@@ -421,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.workload).write_text("# Measured: benchmarks/testbed_calibrate.py (the environment probed through its "
                                    "service, the prompt from the job)\n" + yaml.safe_dump(workload, sort_keys=False))
     out = {"date": date.today().isoformat(), "commit": commit, "preset": args.preset, "device_budgets": budget,
-           "engine": engine, "trainer": trainer, "switch": switch, "environment": envs.summary(),
+           "engine": engine, "trainer": trainer, "separate_probe": separate, "trainer_fit": fitted, "switch": switch,
+           "environment": envs.summary(),
            "profile": profile, "workload": workload, "wall_s": round(time.monotonic() - t0, 1)}
     Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     print(f"[calibrate] wrote {args.profile}, {args.workload}, {args.json} ({out['wall_s']} s)")

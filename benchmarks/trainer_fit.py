@@ -30,6 +30,8 @@ import yaml
 
 from verl_tide.testing.testbed import parse_step_metrics
 
+SEPARATE_PROBE_STEPS = 6  # steps 2 on are read: five weight syncs to standalone replicas
+
 PASSES = {"ref": "timing_s/ref", "act_f": "timing_s/old_log_prob", "act_fb": "timing_s/update_actor",
           "weight_sync": "timing_s/update_weights"}
 
@@ -49,6 +51,27 @@ def point_from_calibration(report: dict) -> dict[str, float]:
     t = report["trainer"]
     return {**{k: t["phase_s"].get(key, 0.0) for k, key in PASSES.items()}, "tokens": t["tokens"] / t["steps_used"],
             "steps": t["steps_used"]}
+
+
+def probe_separate(work: Path, pj, timeout_s: float) -> dict[str, float]:
+    """The job (a `testing.demo.PresetJob`) under stock `separate_async` with one trainer GPU and the others rolling
+    out, no hybrid switch: its passes on one rank (the fit's second size) and its weight sync to standalone
+    replicas, from verl's timers of steps 2 on."""
+    from dataclasses import replace as dc_replace
+
+    from verl_tide.testing.compare import job_overrides, systems
+    from verl_tide.testing.demo import env_agent_overrides
+    from verl_tide.testing.testbed import run_with_env_service
+
+    job = dc_replace(pj.job, steps=SEPARATE_PROBE_STEPS)
+    name = f"verl separate_async 1T/{job.n_gpus - 1}R"
+    system = next(s for s in systems(job) if s.name == name)
+    run, _ = run_with_env_service(lambda url: job_overrides(job, system, [*env_agent_overrides(url), *pj.extra]),
+                                  work, latency_scale=pj.latency_scale, timeout_s=timeout_s,
+                                  log_path=work / "verl_separate.log")
+    if run.returncode != 0 or len(parse_step_metrics(run.output)) != job.steps:
+        raise RuntimeError(f"the probe's {name} job failed (exit {run.returncode}): {run.output[-2000:]}")
+    return point_from_log(run.output)
 
 
 def fit(points: dict[int, dict[str, float]]) -> dict[str, float]:
