@@ -26,7 +26,7 @@ GPU set) is the caller's: the simulator models it; trainer `tide` applies it wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from verl_tide.core.readiness import ReadinessSignals
@@ -132,14 +132,42 @@ class TrainerResizer:
     cooldown: int = 2  # cycles after a move before the next (they ran, at least partly, at the old split)
     memory: int = 4  # measured cycles kept per split (the newest: a run's phases change what a split gives)
     _recent: list[Optional[int]] = field(default_factory=list)
+    # the run's first cycles are its cold start (the rollout from empty, the trainer waiting for its first groups):
+    # they do not say what the start split gives, and counted they made it look worse than the split a first move
+    # reached (the simulator's WebShop from its best start: one move away and never back, -7%)
+    warmup: int = 1
     _since_move: int = 1 << 30
+    _cycles_seen: int = 0
     _measured: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # Actor GPUs -> (batch, cycle s)
+    _cycles: dict[int, list[ReadinessSignals]] = field(default_factory=dict)  # Actor GPUs -> the same cycles' signals
 
     def measured_rate(self, actor_gpus: int) -> Optional[float]:
         """Sequences over the summed cycle seconds at this split: a mean of per-cycle rates would favour the short
         cycles where long and short ones alternate (groups that arrive together, a slow environment)."""
         cycles = self._measured.get(actor_gpus)
         return sum(b for b, _ in cycles) / sum(s for _, s in cycles) if cycles else None
+
+    def pooled_signals(self, signals: ReadinessSignals, actor_gpus: int) -> ReadinessSignals:
+        """The last cycle's signals with the rollout's figures pooled over the cycles run at this split (the
+        cooldown's included: the rollout had its new ranks from the boundary on): one cycle's rollout rate swings
+        with the groups that happened to finish in it (the simulator's WebShop at 8 rollout GPUs read 56.8, 7.5 and
+        121.5 seq/s in three cycles), and a move planned on a high one overshoots (there: to 4 rollout GPUs and a
+        256 s cycle). Each cycle weighs by its working time, as in the rate itself. The trainer's figures stay the
+        last cycle's (steady at a split; the cooldown's first cycle holds the resize's stall)."""
+        cycles = [c for c in self._cycles.get(actor_gpus, []) if c.cycle_s]
+        if len(cycles) < 2:
+            return signals
+        working = [max(c.cycle_s - c.rollout_wait_s, 0.0) for c in cycles]
+
+        def weighted(name: str) -> Optional[float]:
+            pairs = [(getattr(c, name), w) for c, w in zip(cycles, working) if getattr(c, name) is not None]
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if pairs and total > 0 else getattr(signals, name)
+
+        return replace(signals, rollout_capacity_rate=weighted("rollout_capacity_rate"),
+                       rollout_utilization=weighted("rollout_utilization"),
+                       rollout_kv_bound=weighted("rollout_kv_bound"),
+                       rollout_decode_context=weighted("rollout_decode_context"))
 
     def best_measured(self) -> Optional[int]:
         rates = {a: self.measured_rate(a) for a in self._measured}
@@ -171,8 +199,13 @@ class TrainerResizer:
     def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_cycle: bool = False) -> ResizeDecision:
         a0 = inputs.actor_gpus
         self._since_move += 1
-        if not eval_cycle and signals.cycle_s and self._since_move > self.cooldown:
+        self._cycles_seen += 1
+        measured = not eval_cycle and signals.cycle_s and self._cycles_seen > self.warmup
+        if measured and self._since_move > self.cooldown:
             self._measured[a0] = [*self._measured.get(a0, []), (inputs.batch, signals.cycle_s)][-self.memory:]
+        if measured:  # the rollout ran at this split through the cooldown's cycles too
+            self._cycles[a0] = [*self._cycles.get(a0, []), signals][-self.memory:]
+            signals = self.pooled_signals(signals, a0)
         # an evaluation starves the trainer by design: its cycle says nothing
         target = None if eval_cycle else target_split(signals, inputs, self.bracket())
         if target is not None:
