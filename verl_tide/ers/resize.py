@@ -3,7 +3,8 @@ driven by the readiness signals, so that goodput does not depend on the split th
 
 Why: moving ranks between rollout and Ref and lending the Actor's GPUs to rollout leave the Actor's own group as
 the job started; a job started rollout-heavy stays trainer-bound (the simulator's WebShop at 0.75 of the GPUs for
-rollout kept 47% of tide's best). The model of a step cycle, from the last one: the trainer trains `batch`
+rollout kept 47% of tide's best). The model of a step cycle, from the last one (the rollout's figures pooled over
+the cycles run at this split, the run's cold start left out): the trainer trains `batch`
 sequences in its busy time (the cycle less TWT), data parallel over its GPUs (linear); the rollout made
 `rollout_capacity_rate` sequences per second of its working time: fewer ranks do the same work while it fits
 (`ReadinessSignals.rollout_rate_with`), more ranks make more only where the rollout was saturated
