@@ -129,7 +129,7 @@ def test_the_rollout_rate_a_move_plans_on_is_pooled_over_the_cycles_at_the_split
 
 def test_the_cold_start_cycle_is_not_what_the_start_split_measures():
     """The run's first cycle holds the rollout starting from empty: a 300 s cycle where the split then runs 100 s
-    ones. Counted, the start split (1.0 seq/s over its cycles, 200 sequences each) would measure worse than a
+    ones. Counted, the start split (200 sequences a cycle: 1.2 seq/s over the three) would measure worse than a
     split reached by one move that runs 160 s cycles (1.25 seq/s), and the run would stay there."""
     resizer = TrainerResizer(cooldown=0)
     for cycle_s in (300.0, 100.0, 100.0):
