@@ -155,7 +155,7 @@ class TrainerResizer:
         121.5 seq/s in three cycles), and a move planned on a high one overshoots (there: to 4 rollout GPUs and a
         256 s cycle). Each cycle weighs by its working time, as in the rate itself. The trainer's figures stay the
         last cycle's (steady at a split; the cooldown's first cycle holds the resize's stall)."""
-        cycles = [c for c in self._cycles.get(actor_gpus, []) if c.cycle_s]
+        cycles = self._cycles.get(actor_gpus, [])  # each with a cycle_s: `decide` stores no other
         if len(cycles) < 2:
             return signals
         working = [max(c.cycle_s - c.rollout_wait_s, 0.0) for c in cycles]
