@@ -297,6 +297,7 @@ async def test_kv_wait_and_decode_load_clocks_for_the_split_advice():
     assert clocks["kv_wait_s"] == pytest.approx(4.0)  # from 3 s to 7 s
     # a decoded 900 tokens of context for 1 s, b for 8 s, c from 7 s to 8 s
     assert clocks["generating_token_s"] == pytest.approx(900 * (1 + 8 + 1))
+    assert clocks["kv_held_peak"] == pytest.approx(1.8)  # a and b, then b and c: 900 of a rank's 1000 tokens each
     lb.release_server(sid_b, request_id="b")
     lb.release_server(sid_c, request_id="c")
     lb.gate.scheduler.set_admission_allowance(0)  # the staleness limit: new work waits for the trainer
@@ -307,6 +308,12 @@ async def test_kv_wait_and_decode_load_clocks_for_the_split_advice():
     clocks = lb.rollout_time()
     assert clocks["kv_wait_s"] == pytest.approx(4.0)  # d waits for the allowance, not for KV
     assert clocks["generating_token_s"] == pytest.approx(9000.0)
+    # the readiness signals take the peak (the budget window's reads above leave it): the most held at once since
+    assert lb.rollout_time(take_peak=True)["kv_held_peak"] == pytest.approx(1.8)
+    lb.finish("b")
+    lb.finish("c")
+    assert lb.rollout_time(take_peak=True)["kv_held_peak"] == pytest.approx(1.8)  # held until they finished
+    assert lb.rollout_time(take_peak=True)["kv_held_peak"] == pytest.approx(0.0)  # nothing resident since
     blocked.cancel()
 
 

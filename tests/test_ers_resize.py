@@ -57,7 +57,7 @@ def test_a_move_needs_two_cycles_a_cooldown_and_to_repay_its_cost():
     after = resizer.decide(trainer_bound, _inputs(actor_gpus=16))
     assert after.actor_gpus == 16  # the cycles right after a move ran at the old split
     # an evaluation cycle says nothing; a move that the steps left cannot repay is not made
-    assert TrainerResizer().decide(trainer_bound, _inputs(), eval_cycle=True).reason.startswith("no move")
+    assert TrainerResizer().decide(trainer_bound, _inputs(), eval_next=True).reason.startswith("no move")
     late = TrainerResizer()
     late.decide(trainer_bound, _inputs(steps_left=1, move_s=500.0))
     assert late.decide(trainer_bound, _inputs(steps_left=1, move_s=500.0)).actor_gpus == 8
@@ -125,6 +125,47 @@ def test_the_rollout_rate_a_move_plans_on_is_pooled_over_the_cycles_at_the_split
     assert 55 < pooled.rollout_capacity_rate < 65 and pooled.cycle_s == 48.7  # the trainer's: the last cycle's
     assert d.actor_gpus < 28 and target_split(pooled, inputs)[0] < 28
     assert resizer.pooled_signals(cycles[-1], 16) is cycles[-1]  # nothing run at 16: the cycle as it came
+
+
+def test_a_move_leaves_rollout_at_least_the_ranks_its_kv_held_at_once():
+    """The simulator's ALFWorld from an even split (16/16 of 32 GPUs): the trainer took 77.8 s for 1024 sequences
+    without waiting, the rollout made 46.4 seq/s and was never short of KV. Proportionally, 7 rollout GPUs make 20
+    seq/s and 25 Actor GPUs look best; but its tasks held 8.2 ranks' worth of KV at once, and on 7 they paused and
+    re-prefilled (it made 6 seq/s there). The target keeps 9 rollout GPUs; once the rollout waits for KV anyway,
+    the proportional model stands."""
+    cycle = _signals(cycle_s=77.8, trainer_wait_s=0.3, rollout_wait_s=33.7, rollout_capacity_rate=46.42,
+                     rollout_utilization=1.0, rollout_kv_bound=0.0)
+    even = _inputs(rollout_gpus=16, actor_gpus=16, batch=1024, steps_left=98)
+    assert target_split(cycle, even)[0] == 25  # the peak not reported: the proportional model alone
+    held = dataclasses.replace(cycle, rollout_kv_held_peak=8.2)
+    assert not held.kv_fits(8) and held.kv_fits(9) and held.kv_fits(16)
+    assert target_split(held, even)[0] == 23
+    kv_bound = dataclasses.replace(held, rollout_kv_bound=0.6)
+    assert kv_bound.kv_fits(1) and target_split(kv_bound, even)[0] == 25
+    # a lumpy workload's quiet cycle does not lift the bound: the peak is pooled over the split's cycles as a max
+    resizer = TrainerResizer(cooldown=0, warmup=0)
+    for peak in (8.2, 3.0):
+        resizer.decide(dataclasses.replace(held, rollout_kv_held_peak=peak), even)
+    assert resizer.pooled_signals(dataclasses.replace(held, rollout_kv_held_peak=3.0), 16).rollout_kv_held_peak == 8.2
+
+
+def test_an_evaluation_s_cycle_and_its_wake_are_neither_measured_nor_moved_on():
+    """The boundary before an evaluation: its cycle counts, no move goes before the evaluation. The evaluation's
+    own cycle and the next (the training groups it held back: the simulator's ALFWorld read 151 s where its
+    split ran 56 s) are not measured and decide nothing; the cycle after them does both."""
+    resizer = TrainerResizer(cooldown=0, warmup=0)
+    steady = _signals(cycle_s=56.0, rollout_kv_bound=0.0, rollout_capacity_rate=2.0)
+    at_8 = _inputs()
+    before = resizer.decide(steady, at_8, eval_next=True)
+    assert before.actor_gpus == 8 and "an evaluation follows" in before.reason
+    assert [c for _, c in resizer._measured[8]] == [56.0]
+    wake = _signals(cycle_s=151.0, trainer_wait_s=93.0, rollout_kv_bound=0.0, rollout_capacity_rate=0.5)
+    for _ in range(2):
+        d = resizer.decide(wake, at_8)
+        assert d.actor_gpus == 8 and "evaluation or its wake" in d.reason
+    assert [c for _, c in resizer._measured[8]] == [56.0] and len(resizer._cycles[8]) == 1
+    resizer.decide(steady, at_8)
+    assert [c for _, c in resizer._measured[8]] == [56.0, 56.0]
 
 
 def test_the_cold_start_cycle_is_not_what_the_start_split_measures():

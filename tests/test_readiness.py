@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -194,6 +196,30 @@ def test_kv_bound_share_decode_context_and_cycle_from_the_router_clocks():
     assert s.rollout_kv_bound is None and s.rollout_decode_context is None and s.cycle_s == pytest.approx(6.0)
     with pytest.raises(ValueError, match="kv_wait_s = -1"):
         tr.rollout_clocks({"a": 1.0}, kv_wait_s=-1.0, generating_token_s=0.0)
+
+
+def test_the_kv_held_at_once_is_the_cycle_s_peak_over_every_read():
+    """The router's peak since each read; a read that only marks (the sync's pause) counts too: the tasks hold
+    their KV through it. Not reported: unknown, never the last cycle's."""
+    clock, tr = _tracker()
+    tr.rollout_started(t=0.0)
+    tr.step_started(t=0.0)
+    tr.rollout_clocks({"a": 0.0}, report=False, kv_held_peak=3.5)
+    tr.micro_batch_ready("m", 8, t=4.0)
+    tr.micro_batch_consumed("m", t=4.0)
+    tr.rollout_clocks({"a": 8.0}, kv_held_peak=2.0)
+    tr.step_finished(t=10.0)
+    s = tr.signals(ideal_batch=8, tau=1, t=10.0)
+    assert s.rollout_kv_held_peak == pytest.approx(3.5)
+    assert s.kv_fits(4) and not s.kv_fits(3)
+    assert dataclasses.replace(s, rollout_kv_bound=0.5).kv_fits(1)  # it waited for KV anyway: proportional
+    tr.step_started(t=10.0)
+    tr.rollout_clocks({"a": 9.0})
+    tr.step_finished(t=16.0)
+    s = tr.signals(ideal_batch=8, tau=1, t=16.0)
+    assert s.rollout_kv_held_peak is None and s.kv_fits(1)
+    with pytest.raises(ValueError, match="kv_held_peak = -1"):
+        tr.rollout_clocks({"a": 1.0}, kv_held_peak=-1.0)
 
 
 def test_the_first_cycle_counts_from_the_first_prompts_when_told():

@@ -154,6 +154,9 @@ def test_every_turn_went_through_ctb_and_signals_are_reported(tide_run):
         # the split advice's signals from the router: the context of the turns in flight (the decode load), the
         # share of the time work waited for KV; and no advice (the trainer, not the rollout, is the bottleneck)
         assert steps[n]["tide/rollout/decode_context_tokens"] > 0
+        # the most KV its resident tasks held at once, in ranks' worth (ERS's trainer resize reads it): some, and
+        # within what CTB's budget window may admit on the job's one rollout rank (tide.ctb.max_budget_factor 8)
+        assert 0 < steps[n]["tide/rollout/kv_held_peak_ranks"] <= 8.5
         assert 0 <= steps[n]["tide/rollout/kv_bound"] <= 1
         assert steps[n]["tide/ers/advised_rollout_gpus"] == 1
     assert "Prometheus metrics at http://127.0.0.1:" in tide_run.output

@@ -222,10 +222,12 @@ def test_split_advice_reads_the_job_layout_and_the_model_config(tmp_path, capsys
 
     # decode-bound (no work waited for KV; 400k tokens of context in flight per replica, the weights ~266k)
     signals = ReadinessSignals(0, None, None, 0.0, 0, 40.0, True, False, 0.0, 60.0, rollout_capacity_rate=4.0,
-                               rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0)
+                               rollout_kv_bound=0.0, rollout_decode_context=400_000.0, cycle_s=100.0,
+                               rollout_kv_held_peak=3.2)
     first = update(signals)
     assert first["tide/ers/advised_rollout_gpus"] == 4.0  # one cycle does not stand
     assert first["tide/rollout/kv_bound"] == 0.0 and first["tide/rollout/decode_context_tokens"] == 400_000.0
+    assert first["tide/rollout/kv_held_peak_ranks"] == 3.2
     assert report.weight_kv_tokens == pytest.approx(265_600.0)
     second = update(signals)
     # 1 seq/s per rollout GPU, 400 / 40 s / 12 = 0.833 per trainer GPU: 7 of 16 balance, 8 in whole replicas

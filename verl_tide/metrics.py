@@ -100,7 +100,8 @@ class TideMetrics:
                             ("ready_volume", signals.ready_volume), ("batch_size", plan.batch_size),
                             ("rollout_utilization", signals.rollout_utilization),
                             ("rollout_kv_bound", signals.rollout_kv_bound),
-                            ("rollout_decode_context_tokens", signals.rollout_decode_context)):
+                            ("rollout_decode_context_tokens", signals.rollout_decode_context),
+                            ("rollout_kv_held_peak_ranks", signals.rollout_kv_held_peak)):
             if value is not None:
                 self.readiness.labels(signal=name).set(value)
 

@@ -91,6 +91,9 @@ class ReadinessSignals:
     # Mean context (tokens) of the turns in flight per rollout rank over that working time: the KV a decode
     # iteration reads. Against the model's weight bytes it says whether more ranks decode faster. None if unknown.
     rollout_decode_context: Optional[float] = None
+    # The most KV the rollout's resident tasks held at once during the cycle, in ranks' worth of budget (CTB's
+    # `kv_held_ranks`): the work in flight needs that many ranks. None if not reported.
+    rollout_kv_held_peak: Optional[float] = None
     # The last step cycle (end of one step to the end of the next), seconds; None before the first.
     cycle_s: Optional[float] = None
 
@@ -102,6 +105,16 @@ class ReadinessSignals:
             return None
         busy = self.rollout_utilization if self.rollout_utilization is not None else 1.0
         return self.rollout_capacity_rate * min(1.0, ranks / (of * max(busy, 1e-9)))
+
+    def kv_fits(self, ranks: int, kv_bound_min: float = 0.5) -> bool:
+        """Whether the work the rollout held fits in the KV of `ranks` rollout ranks: at least the peak it held at
+        once (`rollout_kv_held_peak`), or work already waited for KV budget (`kv_bound_min` of the working time:
+        it pauses at any size, and the rate scales with the ranks). Below that peak an unsaturated rollout starts
+        pausing tasks and re-prefilling them, which neither the time-share model (`rollout_rate_with`) nor any
+        other measured figure predicts. True when the peak is not reported."""
+        if self.rollout_kv_held_peak is None or (self.rollout_kv_bound or 0.0) >= kv_bound_min:
+            return True
+        return ranks >= self.rollout_kv_held_peak - 1e-9
 
 
 def rollout_shares(busy: Optional[tuple[float, int]], kv_wait_s: Optional[float], working_s: float
@@ -182,6 +195,8 @@ class ReadinessTracker:
     _last_utilization: Optional[float] = None
     _last_kv_bound: Optional[float] = None
     _last_decode_context: Optional[float] = None
+    _cycle_kv_held_peak: Optional[float] = None  # the most KV held at once reported since the cycle began
+    _last_kv_held_peak: Optional[float] = None
     _last_cycle_s: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -246,14 +261,19 @@ class ReadinessTracker:
 
     def rollout_clocks(self, busy_s: Mapping[Hashable, float], idle_rank_s: Optional[float] = None,
                        report: bool = True, kv_wait_s: Optional[float] = None,
-                       generating_token_s: Optional[float] = None) -> None:
+                       generating_token_s: Optional[float] = None, kv_held_peak: Optional[float] = None) -> None:
         """Cumulative rollout clocks, as CTB's router keeps them: per rank, seconds with a request in flight;
         rank-seconds with nothing in flight while no task waited for admission (out of work); seconds during which
         work waited for KV budget; and token-seconds of the context of the turns in flight (decode load). What
         they gained since the last call is this cycle's `rollout_busy`, per rank `rollout_waited`, and the cycle's
         KV-bound time and decode load (the last two together or not at all); `report=False` only moves the mark,
         to leave out time counted apart (the weight sync's pause). A rank not seen at the last call (relaunched
-        under a new address, back from Ref) counts from 0."""
+        under a new address, back from Ref) counts from 0. `kv_held_peak`: the most KV resident tasks held at once
+        since the last call (ranks' worth); every call's counts toward the cycle's `rollout_kv_held_peak`."""
+        if kv_held_peak is not None:
+            if kv_held_peak < 0:
+                raise ValueError(f"rollout_clocks: kv_held_peak = {kv_held_peak}: must be >= 0")
+            self._cycle_kv_held_peak = max(self._cycle_kv_held_peak or 0.0, kv_held_peak)
         clocks = {"idle_rank_s": idle_rank_s, "kv_wait_s": kv_wait_s, "generating_token_s": generating_token_s}
         if any(v is not None and v < 0 for v in clocks.values()) or any(v < 0 for v in busy_s.values()):
             raise ValueError(f"rollout_clocks: busy_s = {dict(busy_s)}, " + ", ".join(
@@ -284,7 +304,9 @@ class ReadinessTracker:
                     busy, None if load is None else load[0], working)
                 self._last_decode_context = None if load is None else load[1] / (working * load[2])
             self._last_cycle_s = now - self._cycle_start
+        self._last_kv_held_peak = self._cycle_kv_held_peak
         self._cycle_start, self._cycle_sequences, self._cycle_busy, self._cycle_load = now, 0, None, None
+        self._cycle_kv_held_peak = None
         self.last_ready_times = sorted(self._step_ready_times)
         self._last_ras = ready_at_start(self._step_ready_times)
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
@@ -330,6 +352,7 @@ class ReadinessTracker:
             rollout_utilization=self._last_utilization,
             rollout_kv_bound=self._last_kv_bound,
             rollout_decode_context=self._last_decode_context,
+            rollout_kv_held_peak=self._last_kv_held_peak,
             cycle_s=self._last_cycle_s,
         )
 

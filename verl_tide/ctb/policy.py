@@ -120,6 +120,16 @@ class CTBScheduler:
         """Tasks in `state` now (QUEUED: waiting for admission, work the rollout has not started)."""
         return len(self._by_state[state])
 
+    @property
+    def kv_held_ranks(self) -> float:
+        """The KV the resident tasks hold now, in ranks' worth of budget (each rank's usage over its base budget,
+        summed): how many ranks the work in flight needs. ERS's trainer resize reads its peak over a step cycle:
+        on fewer rollout ranks CTB pauses tasks and re-prefills them (the simulator's ALFWorld at 7 of 32 GPUs made
+        a third of the sequences per GPU that 16 made, where a proportional model promised the same). Residents
+        waiting for their environment count: where that wait is short, pausing them is thrash (only the KV of turns
+        in flight or due: the resize from ALFWorld's even split went to 8 rollout GPUs, -5% over the run)."""
+        return sum(rank.usage / rank.base for rank in self.budgets.ranks.values() if rank.base > 0)
+
     def set_admission_allowance(self, new_tasks: Optional[int]) -> None:
         """Staleness throttle: how many more new tasks may start before the trainer catches up (None = no limit)."""
         if new_tasks is not None and new_tasks < 0:

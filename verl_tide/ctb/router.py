@@ -70,6 +70,7 @@ class CTBLoadBalancer:
         self._idle_rank_s, self._idle_since = 0.0, self.clock()
         self._kv_wait_s = 0.0  # seconds during which work waited for KV budget (CTB's `waiting_for_kv`)
         self._generating_token_s = 0.0  # integral of CTB's `generating_tokens` over time (decode load)
+        self._kv_held_peak = 0.0  # the most KV resident tasks held at once since the readiness signals last read it
         self.bypassed: dict[str, str] = {}  # request id -> server, for requests CTB could not place
         # tokens_dropped_failed: what trajectories generated before their environment failed (verl drops their
         # group; those tokens never reach TransferQueue, where the trainer's ledger counts the rest)
@@ -287,13 +288,18 @@ class CTBLoadBalancer:
         self._account_clocks()
         return self._kv_wait_s
 
-    def rollout_time(self) -> dict[str, Any]:
+    def rollout_time(self, take_peak: bool = False) -> dict[str, Any]:
         """`busy_seconds`, `idle_rank_seconds`, `kv_wait_seconds` and the time integral of the context of the
         turns in flight (token-seconds: the decode load; CTB's `generating_tokens`) in one read (one Ray call
-        per step boundary)."""
+        per step boundary); and `kv_held_peak`, the most KV the resident tasks held at once (in ranks' worth,
+        CTB's `kv_held_ranks`) since the last read with `take_peak` (the readiness signals' reads; the budget
+        window's leave it)."""
         self._account_clocks()  # every clock closed at the same instant
+        peak = self._kv_held_peak
+        if take_peak:
+            self._kv_held_peak = self.gate.scheduler.kv_held_ranks
         return {"busy_s": self.busy_seconds(), "idle_rank_s": self._idle_rank_s, "kv_wait_s": self._kv_wait_s,
-                "generating_token_s": self._generating_token_s}
+                "generating_token_s": self._generating_token_s, "kv_held_peak": peak}
 
     def set_budget_factor(self, factor: float) -> None:
         """Trainer `tide`'s step-boundary planner scales every rank's budget (`ctb/window.py`)."""
@@ -350,6 +356,7 @@ class CTBLoadBalancer:
         if scheduler.waiting_for_kv:
             self._kv_wait_s += now - self._idle_since
         self._generating_token_s += (now - self._idle_since) * scheduler.generating_tokens
+        self._kv_held_peak = max(self._kv_held_peak, scheduler.kv_held_ranks)
         self._idle_since = now
 
     def _take(self, server_id: str) -> tuple[str, Any]:

@@ -8,7 +8,10 @@ the cycles run at this split, the run's cold start left out): the trainer trains
 sequences in its busy time (the cycle less TWT), data parallel over its GPUs (linear); the rollout made
 `rollout_capacity_rate` sequences per second of its working time: fewer ranks do the same work while it fits
 (`ReadinessSignals.rollout_rate_with`), more ranks make more only where the rollout was saturated
-(`advice.rollout_rate_with`). The split where the slower side is fastest is the target; a move goes there in one
+(`advice.rollout_rate_with`), and never fewer than the KV its tasks held at once needs unless it already waited for
+KV (`ReadinessSignals.kv_fits`: below that it pauses and re-prefills tasks; the simulator's ALFWorld from an even
+split moved to 7 of 32 rollout GPUs, where a proportional model promised 20 seq/s and the rollout made 6). The
+split where the slower side is fastest is the target; a move goes there in one
 resize (bounded to halving or doubling the Actor's group), only if it stood for `confirm` of the last `window`
 cycles, repays its cost over the steps left, and not within `cooldown` cycles of the last (those cycles ran at the
 old split).
@@ -75,6 +78,8 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
     of = r0 // g
 
     def rollout(replicas: int) -> float:
+        if replicas < of and not signals.kv_fits(replicas, inputs.kv_bound_min):
+            return 0.0  # the work in flight would not fit: tasks pause and re-prefill, at a rate nothing measured
         if replicas <= of:
             return signals.rollout_rate_with(replicas, of) or 0.0
         more = rollout_rate_with(signals, replicas, of, inputs.weight_kv_tokens, inputs.kv_bound_min)
@@ -137,6 +142,11 @@ class TrainerResizer:
     # they do not say what the start split gives, and counted they made it look worse than the split a first move
     # reached (the simulator's WebShop from its best start: one move away and never back, -7%)
     warmup: int = 1
+    # an evaluation skews the cycle that runs it and the next: the rollout serves it first, and the training
+    # groups it held back arrive in the next cycle (the simulator's ALFWorld read a 151 s cycle there where its
+    # split ran 56 s ones; counted, it moved 7 GPUs to rollout and back). Neither is measured or decided on.
+    eval_wake: int = 2
+    _eval_cycles_left: int = 0
     _since_move: int = 1 << 30
     _cycles_seen: int = 0
     _measured: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # Actor GPUs -> (batch, cycle s)
@@ -154,7 +164,9 @@ class TrainerResizer:
         with the groups that happened to finish in it (the simulator's WebShop at 8 rollout GPUs read 56.8, 7.5 and
         121.5 seq/s in three cycles), and a move planned on a high one overshoots (there: to 4 rollout GPUs and a
         256 s cycle). Each cycle weighs by its working time, as in the rate itself. The trainer's figures stay the
-        last cycle's (steady at a split; the cooldown's first cycle holds the resize's stall)."""
+        last cycle's (steady at a split; the cooldown's first cycle holds the resize's stall). The KV the rollout held
+        at once is the peak of those cycles: a lumpy workload's quiet cycle says nothing about what its busy one
+        needs."""
         cycles = self._cycles.get(actor_gpus, [])  # each with a cycle_s: `decide` stores no other
         if len(cycles) < 2:
             return signals
@@ -168,7 +180,10 @@ class TrainerResizer:
         return replace(signals, rollout_capacity_rate=weighted("rollout_capacity_rate"),
                        rollout_utilization=weighted("rollout_utilization"),
                        rollout_kv_bound=weighted("rollout_kv_bound"),
-                       rollout_decode_context=weighted("rollout_decode_context"))
+                       rollout_decode_context=weighted("rollout_decode_context"),
+                       rollout_kv_held_peak=max((c.rollout_kv_held_peak for c in cycles
+                                                 if c.rollout_kv_held_peak is not None),
+                                                default=signals.rollout_kv_held_peak))
 
     def best_measured(self) -> Optional[int]:
         rates = {a: self.measured_rate(a) for a in self._measured}
@@ -197,18 +212,22 @@ class TrainerResizer:
             why = f"{why}; measured {gain:+.0%} at {to}"
         return to, gain, why
 
-    def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_cycle: bool = False) -> ResizeDecision:
+    def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_next: bool = False) -> ResizeDecision:
+        """At a post-update boundary, from the cycle that just ended; `eval_next`: an evaluation runs in the next
+        cycle (no move before it: the rollout serves it)."""
         a0 = inputs.actor_gpus
         self._since_move += 1
         self._cycles_seen += 1
+        eval_cycle = self._eval_cycles_left > 0
+        self._eval_cycles_left = self.eval_wake if eval_next else max(0, self._eval_cycles_left - 1)
         measured = not eval_cycle and signals.cycle_s and self._cycles_seen > self.warmup
         if measured and self._since_move > self.cooldown:
             self._measured[a0] = [*self._measured.get(a0, []), (inputs.batch, signals.cycle_s)][-self.memory:]
         if measured:  # the rollout ran at this split through the cooldown's cycles too
             self._cycles[a0] = [*self._cycles.get(a0, []), signals][-self.memory:]
             signals = self.pooled_signals(signals, a0)
-        # an evaluation starves the trainer by design: its cycle says nothing
-        target = None if eval_cycle else target_split(signals, inputs, self.bracket())
+        # an evaluation starves the trainer by design: its cycles say nothing, and no move goes before it
+        target = None if eval_cycle or eval_next else target_split(signals, inputs, self.bracket())
         if target is not None:
             target = self._overruled_by_the_run(target, a0)
         if target is not None and (target[0] == a0 or target[1] < self.min_gain):
@@ -216,7 +235,9 @@ class TrainerResizer:
         wanted = target[0] if target is not None and target[1] >= self.min_gain and target[0] != a0 else None
         self._recent = [*self._recent, wanted][-self.window:]
         if target is None:
-            return ResizeDecision(a0, 0.0, "no move: the last cycle says nothing (evaluation, or nothing measured)")
+            why = ("an evaluation follows" if eval_next else "the last cycle ran an evaluation or its wake" if eval_cycle
+                   else "the last cycle says nothing (nothing measured)")
+            return ResizeDecision(a0, 0.0, f"no move: {why}")
         best, gain, why = target
         if wanted is None:
             return ResizeDecision(a0, gain, f"no move: {why}; best split within {self.min_gain:.0%}")

@@ -114,6 +114,7 @@ class Simulation:
         self.tide_ra2p = tide_ra2p
         self._kv_wait_s = 0.0  # seconds CTB held work back for KV budget (as its router counts them)
         self._generating_token_s = 0.0  # time integral of CTB's `generating_tokens` (the decode load)
+        self._kv_held_peak = 0.0  # the most KV CTB's resident tasks held at once since the last boundary (ranks)
         self.split_advice: Optional[SplitAdvice] = None  # ERS's split advice, the last that stood
         self.boundary = SimBoundaryPort(self, eval_in_first_cycle=workload.is_eval_step(0))
 
@@ -254,7 +255,9 @@ class Simulation:
         # As trainer tide reads CTB's router: each rank's seconds with a request in flight. Idling under the
         # staleness bound is fed to RWT tick by tick (`run`), so no idle clock here.
         self.tracker.rollout_clocks({r: rr.busy_s for r, rr in self.rollout.ranks.items()}, kv_wait_s=self._kv_wait_s,
-                                    generating_token_s=self._generating_token_s)
+                                    generating_token_s=self._generating_token_s,
+                                    kv_held_peak=self._kv_held_peak if self.rollout.ctb is not None else None)
+        self._kv_held_peak = self.rollout.ctb.kv_held_ranks if self.rollout.ctb is not None else 0.0
         self.tracker.step_finished(t=end)
         sync_end = end + self.costs.rollout_sync_s
         eval_next = self.w.eval_after(self.consumed_steps)
@@ -337,6 +340,7 @@ class Simulation:
                 if not self.rollout.ctb.count(TaskState.QUEUED):
                     self.boundary.idle_rank_s += self.dt * sum(1 for rr in self.rollout.ranks.values() if rr.idle)
                 self._generating_token_s += self.dt * self.rollout.ctb.generating_tokens
+                self._kv_held_peak = max(self._kv_held_peak, self.rollout.ctb.kv_held_ranks)
             for rr in list(self.rollout.ranks.values()):
                 idle_before = rr.idle or self.t < rr.paused_until
                 for req in rr.advance(self.t, self.dt):

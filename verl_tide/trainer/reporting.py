@@ -55,14 +55,14 @@ class RolloutReport:
         now_wall, now = time.time(), clock()
         return {by_group[g]: now - max(0.0, now_wall - t) for g, t in wall.items()}
 
-    def rollout_time(self) -> Optional[dict[str, Any]]:
+    def rollout_time(self, take_peak: bool = False) -> Optional[dict[str, Any]]:
         """CTB's router's rollout clocks (`CTBLoadBalancer.rollout_time`); None without CTB or when unreadable."""
         if not self.ctb_enabled:
             return None
         import ray
 
         try:
-            return ray.get(self._router().rollout_time.remote(), timeout=30)
+            return ray.get(self._router().rollout_time.remote(take_peak=take_peak), timeout=30)
         except Exception as e:  # observability must not stop training
             logger.warning("verl-tide: could not read the rollout ranks' busy and idle time: %s", e)
             return None
@@ -73,11 +73,12 @@ class RolloutReport:
         seconds with work waiting for KV budget, and the decode load. Without CTB nothing is reported: RWT is the
         sync alone and ERS assumes saturated ranks. `report=False` starts the next cycle's clocks here. Returns the
         clocks read (CTB's budget window reads the same, `budget_window.py`)."""
-        now = self.rollout_time()
+        now = self.rollout_time(take_peak=True)
         if now is not None:
             readiness.rollout_clocks(now["busy_s"], float(now["idle_rank_s"]), report=report,
                                      kv_wait_s=float(now["kv_wait_s"]),
-                                     generating_token_s=float(now["generating_token_s"]))
+                                     generating_token_s=float(now["generating_token_s"]),
+                                     kv_held_peak=float(now["kv_held_peak"]))
         return now
 
     def ctb_metrics(self, actor_servers: Sequence[str] = ()) -> dict[str, float]:
@@ -198,6 +199,8 @@ class SplitAdviceReport:
             m["tide/rollout/kv_bound"] = float(signals.rollout_kv_bound)
         if signals.rollout_decode_context is not None:
             m["tide/rollout/decode_context_tokens"] = float(signals.rollout_decode_context)
+        if signals.rollout_kv_held_peak is not None:
+            m["tide/rollout/kv_held_peak_ranks"] = float(signals.rollout_kv_held_peak)
         if changed and standing is not None:
             print(f"verl-tide step {step}: ERS split advice: {standing.reason}", flush=True)
         m["tide/ers/advised_rollout_gpus"] = float(standing.rollout_gpus if standing else now_rollout)
