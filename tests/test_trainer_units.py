@@ -296,3 +296,19 @@ def test_every_private_verl_method_tide_overrides_or_calls_exists_and_a_missing_
     delattr(OlderBuffer, "_materialize_batch")
     with pytest.raises(verl_compat.VerlChanged, match="OlderBuffer._materialize_batch|_materialize_batch"):
         verl_compat.check_private_hooks(PPOTrainerSeparateAsync, OlderBuffer)
+
+
+def test_the_trainer_s_resize_inputs_carry_the_saturation_figures_the_simulator_gives():
+    """The resize decision reads the model's weights in KV tokens (decode-bound rollout) and the KV-bound share that
+    makes it saturated, as the split advice does; without them trainer `tide` would decide on fewer inputs than the
+    simulator's runs of the same code."""
+    from verl_tide.ers.policy import Role
+    from verl_tide.trainer.actor_group import ActorGroupLayout
+    from verl_tide.trainer.resize import TrainerResize
+
+    resize = TrainerResize(ActorGroupLayout({}, "actor", {}), pool=None, move_s=30.0, mini_batch=64, start_gpus=2,
+                           gpus_per_replica=2)
+    roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
+    inputs = resize.inputs(2, roles, batch=256, steps_left=10, weight_kv_tokens=265_600.0, kv_bound_min=0.3)
+    assert (inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica, inputs.actor_floor) == (4, 2, 2, 2)
+    assert inputs.weight_kv_tokens == 265_600.0 and inputs.kv_bound_min == 0.3 and inputs.move_s == 30.0

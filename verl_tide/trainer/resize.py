@@ -68,10 +68,14 @@ class TrainerResize:
     cycles: list[tuple[int, int, float]] = field(default_factory=list)  # (step, Actor GPUs, boundary to boundary s)
     _last_boundary: Optional[float] = None
 
-    def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int) -> ResizeInputs:
+    def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int,
+               weight_kv_tokens: Optional[float] = None, kv_bound_min: float = 0.5) -> ResizeInputs:
+        """The decision's inputs, the saturation tests' figures as the split advice reads them (the model's weights
+        in KV tokens, `tide.ers.split_advice_kv_bound`), as the simulator gives them."""
         rollout = self.gpus_per_replica * sum(r is Role.ROLLOUT for r in roles.values())
         return ResizeInputs(rollout_gpus=rollout, actor_gpus=actor_gpus, batch=batch, move_s=self.move_s,
-                            steps_left=steps_left, mini_batch=self.mini_batch, actor_floor=self.start_gpus,
+                            steps_left=steps_left, weight_kv_tokens=weight_kv_tokens, kv_bound_min=kv_bound_min,
+                            mini_batch=self.mini_batch, actor_floor=self.start_gpus,
                             gpus_per_replica=self.gpus_per_replica)
 
     def apply(self, trainer: Any, decision: ResizeDecision, step: int) -> AppliedResize:

@@ -358,6 +358,7 @@ class TideTrainer(PPOTrainerSeparateAsync):
         m: dict[str, Any] = ledger_metrics(self.ledger, self.replay_buffer, self.global_steps, tide.ledger_tolerance)
         m.update(self.report.ctb_metrics(self.llm_server_manager.server_addresses))
         m.update(self.report.engine_hit_rates(self.quarantined))
+        advice = self.advice.inputs(self.rollout_roles, self.quarantined)
         inputs = boundary.boundary_inputs(
             self.global_steps, self.readiness.last_ready_times, self._groups_per_mini_batch, step_tokens,
             self.stage_timer, max(1, self.actor_rollout_wg.world_size), tide.ra2p.ref_ranks,
@@ -367,13 +368,14 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.budget_window.inputs(self.quarantined, clocks, self.report.engine_scrapes)
             if self.budget_window is not None and clocks is not None else None,
             self.resize.inputs(self.actor_rollout_wg.world_size, self.rollout_roles, self.planner.ers.ideal_batch,
-                               self.total_training_steps - self.global_steps) if self.resize is not None else None)
+                               self.total_training_steps - self.global_steps, advice.weight_kv_tokens,
+                               advice.kv_bound_min) if self.resize is not None else None)
         context = RoundContext(
             self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
             ref_floor=1 if self.ref.layout.pool_wanted and tide.ra2p.ref_ranks == 0 else 0,
             last_step=self.global_steps >= self.total_training_steps,
-            advice=self.advice.inputs(self.rollout_roles, self.quarantined))
+            advice=advice)
         port = boundary.TrainerBoundaryPort(
             self.global_steps, lambda be: self.readiness.signals(ideal_batch=self.planner.ers.ideal_batch,
                                                                  tau=tide.ers.tau, ras_break_even=be),
