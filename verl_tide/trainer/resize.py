@@ -68,8 +68,8 @@ class TrainerResize:
     cycles: list[tuple[int, int, float]] = field(default_factory=list)  # (step, Actor GPUs, boundary to boundary s)
     _last_boundary: Optional[float] = None
 
-    def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int,
-               weight_kv_tokens: Optional[float] = None, kv_bound_min: float = 0.5) -> ResizeInputs:
+    def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int, *,
+               weight_kv_tokens: Optional[float], kv_bound_min: float) -> ResizeInputs:
         """The decision's inputs, the saturation tests' figures as the split advice reads them (the model's weights
         in KV tokens, `tide.ers.split_advice_kv_bound`), as the simulator gives them."""
         rollout = self.gpus_per_replica * sum(r is Role.ROLLOUT for r in roles.values())

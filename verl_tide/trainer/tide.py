@@ -368,8 +368,9 @@ class TideTrainer(PPOTrainerSeparateAsync):
             self.budget_window.inputs(self.quarantined, clocks, self.report.engine_scrapes)
             if self.budget_window is not None and clocks is not None else None,
             self.resize.inputs(self.actor_rollout_wg.world_size, self.rollout_roles, self.planner.ers.ideal_batch,
-                               self.total_training_steps - self.global_steps, advice.weight_kv_tokens,
-                               advice.kv_bound_min) if self.resize is not None else None)
+                               self.total_training_steps - self.global_steps,
+                               weight_kv_tokens=advice.weight_kv_tokens, kv_bound_min=advice.kv_bound_min)
+            if self.resize is not None else None)
         context = RoundContext(
             self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
             # Without Ref ranks of its own, the last elastic Ref rank must stay: nothing else would compute Ref.
