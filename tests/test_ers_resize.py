@@ -261,7 +261,8 @@ def test_trainer_resize_refuses_what_it_cannot_rebuild_naming_the_keys():
     assert not lend and "tide.ers.resize_trainer" in why
 
 
-def test_a_verl_job_with_a_ref_model_critic_or_two_nodes_is_refused_for_a_resize():
+def test_a_verl_job_with_a_critic_or_two_nodes_is_refused_for_a_resize_and_one_with_a_ref_model_is_not():
+    """verl's Ref role is rebuilt with the Actor's processes; a critic shares them and is not, nor a second node."""
     from omegaconf import OmegaConf
 
     from verl_tide.job_config import resize_blockers
@@ -272,10 +273,45 @@ def test_a_verl_job_with_a_ref_model_critic_or_two_nodes_is_refused_for_a_resize
             "algorithm": {"use_kl_in_reward": False, "adv_estimator": "grpo"}, "critic": {"enable": critic},
             "trainer": {"nnodes": nodes}})
 
-    assert resize_blockers(job()) == []
+    assert resize_blockers(job()) == [] and resize_blockers(job(kl=True)) == []
     problems = resize_blockers(job(kl=True, critic=True, nodes=2))
-    assert len(problems) == 3 and all(p.startswith("tide.ers.resize_trainer = true with") for p in problems)
-    assert "use_kl_loss" in problems[0] and "critic.enable" in problems[1] and "trainer.nnodes = 2" in problems[2]
+    assert len(problems) == 2 and all(p.startswith("tide.ers.resize_trainer = true with") for p in problems)
+    assert "critic.enable" in problems[0] and "trainer.nnodes = 2" in problems[1]
+
+
+def test_a_resize_scores_again_what_ref_scored_ahead_into_the_processes_it_stops():
+    """With the hand-off, rows of samples scored ahead live in the Actor's processes: a rebuild loses them, so
+    the samples count as unscored (the pass that trains them scores them again) and their ids are released; rows
+    in TransferQueue (no hand-off) outlive the processes and stay scored. The rebuilt Actor gets tide's loss again."""
+    from types import SimpleNamespace
+
+    from verl_tide.ra2p.layout import RefLayout
+    from verl_tide.trainer.ref_path import RefPath
+
+    def path(handoff):
+        p = RefPath.__new__(RefPath)
+        RefPath.__init__(p, None, None, None, None, RefLayout(pool_wanted=False, handoff=handoff,
+                                                              beside_verl_ref=False))
+        p.sample_ids.assign(["a_0", "a_1", "b_0"])
+        p.aggregator.record_burst(["a_0", "a_1"], ["b_0"])
+        p.aggregator.trained(["a_0", "a_1"], ref_pass_ran=True)
+        p.sample_ids.release(["a_0", "a_1"])
+        return p
+
+    kept = path(handoff=False)
+    assert kept.before_actor_rebuild() == 0 and kept.aggregator.scored == {"b_0"}
+    lost = path(handoff=True)
+    assert lost.before_actor_rebuild() == 1
+    assert lost.aggregator.scored == set() and lost.released_ids == [2] and len(lost.sample_ids) == 0
+    _own, ahead = lost.aggregator.burst(["b_0"], [], 0)
+    assert _own == ["b_0"] and ahead == []  # its mini-batch runs a Ref pass for it
+
+    installed = []
+    lost.service = object()
+    lost._install_loss = lambda: installed.append(lost.actor_wg)
+    new_actor, new_ref = SimpleNamespace(world_size=2), SimpleNamespace(world_size=2)
+    lost.after_actor_rebuild(new_actor, new_ref, False)
+    assert (lost.actor_wg, lost.ref_wg, installed) == (new_actor, new_ref, [new_actor])
 
 
 def test_a_boundary_that_resizes_the_actor_group_moves_no_rank_to_ref():

@@ -1,7 +1,8 @@
 """ERS resizes the Actor's training group in a running `+tide=enabled` job on the CPU test bed, both ways: at
 weight-sync boundaries a rollout replica's fake GPU joins the Actor's FSDP group (rebuilt with its state carried:
-verl's worker groups, its FSDP engine, torch DCP) and later goes back to rollout, with nothing lost; a checkpoint
-taken while the Actor held it resumes at the start split."""
+verl's worker groups, its FSDP engine, torch DCP; verl's Ref role, with a KL loss, rebuilt in the same processes)
+and later goes back to rollout, with nothing lost; a checkpoint taken while the Actor held it resumes at the start
+split."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
     # 4 prompts x 2 trajectories a step, 2 mini-batches of 4 sequences: Actor sizes 1, 2 and 4 split them.
     ckpt = work / "ckpt"
     job = GRPOJob(model_path=str(tiny_model_path), train_file=str(train), val_file=str(val), n_gpus=3, steps=STEPS,
-                  prompt_length=128, response_length=96, ppo_mini_batch_size=2, default_local_dir=str(ckpt))
+                  prompt_length=128, response_length=96, ppo_mini_batch_size=2, default_local_dir=str(ckpt),
+                  use_kl_loss=True)
     env = SlowingEnvServer(ServerConfig(session_timeout_s=900, latency_scale=0.0))
 
     def slow_down_once_moved(line: str) -> None:
@@ -61,6 +63,7 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
             *tide_overrides(job, rollout_gpus=2), "actor_rollout_ref.rollout.agent.default_agent_loop=tide_env_agent",
             f"tide.env.url={url}", "tide.env.max_tokens_per_turn=8", "ray_kwargs.ray_init.num_cpus=24",
             "actor_rollout_ref.actor.ppo_epochs=4",  # the trainer's work, not rollout's, bounds the cycle at first
+            "tide.ra2p.max_aggregate=4",  # a Ref pass scores ready groups of the next step too: rows at the boundary
             "tide.ers.resize_trainer=true", *extra])
 
     with env_server_in_thread(env) as url:
@@ -100,6 +103,22 @@ def test_the_actor_group_takes_a_rollout_gpu_and_gives_it_back_as_the_bottleneck
                         r"([\d.]+) s on 1", run.output)
     assert [int(c[0]) for c in cycles] == list(range(up_at + 1, min(up_at + 3, down_at) + 1)), cycles
     assert float(cycles[0][1]) > float(up_cost)  # the cycle that held the resize
+
+    # verl's Ref role moved with the Actor's processes: the KL term at every step and both sizes, every trained
+    # sample's ref row found by the Actor's loss in the processes of its group (hand-off counters are per process,
+    # so they restart with each rebuilt group; the Ref service's are the job's), shared across the two ranks
+    # while the Actor held two GPUs, and nothing held that no sample waits for.
+    assert "verl's Ref role shares the Actor's processes (RA2P colocated)" in run.output
+    assert all(steps[n]["actor/kl_loss"] > 0 for n in steps), {n: m["actor/kl_loss"] for n, m in steps.items()}
+    passes = job.train_batch_size * job.rollout_n * 4  # rows read per step: 4 PPO epochs
+    served = {n: m["tide/ra2p/handoff_served_in_process"] + m["tide/ra2p/ref_service_served"] for n, m in steps.items()}
+    assert served[up_at] == up_at * passes
+    assert served[down_at] - steps[up_at]["tide/ra2p/ref_service_served"] == (down_at - up_at) * passes
+    assert steps[down_at]["tide/ra2p/ref_service_put"] > 0  # two Ref ranks: rows for the other rank's samples
+    assert served[STEPS] - steps[down_at]["tide/ra2p/ref_service_served"] == (STEPS - down_at) * passes
+    for n in (up_at + 1, down_at + 1, STEPS):
+        assert steps[n]["tide/ra2p/handoff_held"] == steps[n]["tide/ra2p/handoff_ids_live"], (n, steps[n])
+        assert steps[n]["tide/ra2p/ref_service_held"] == 0, (n, steps[n])
 
     # nothing lost across the moves: every group settled or in flight, none failed, a batch trained each step
     last = steps[STEPS]

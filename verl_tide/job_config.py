@@ -102,9 +102,6 @@ def resize_blockers(config: DictConfig) -> list[str]:
         critic = OmegaConf.select(config, "algorithm.adv_estimator", default="grpo") == "gae"
     nodes = (OmegaConf.select(config, "trainer.nnodes", default=1),
              OmegaConf.select(config, "actor_rollout_ref.rollout.nnodes", default=1))
-    if uses_ref_model(config):
-        out.append("a Ref model (actor_rollout_ref.actor.use_kl_loss or algorithm.use_kl_in_reward): its rows held "
-                   "in the Actor's processes across a resize are not handled yet")
     if critic:
         out.append("a critic (critic.enable or algorithm.adv_estimator = gae): it shares the Actor's pool")
     if nodes != (1, 1):

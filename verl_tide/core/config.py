@@ -151,8 +151,8 @@ class ERSConfig:
                                    "model (lend_kv_bound); 0: the model alone"))
     resize_trainer: bool = field(default=False, metadata=_help(
         "the Actor's training group grows by a rollout replica's GPUs when the trainer bounds the step cycle and "
-        "gives them back when rollout does, at the weight-sync boundary (ers/resize.py decides; one node; no Ref "
-        "model, critic or lending)"))
+        "gives them back when rollout does, at the weight-sync boundary (ers/resize.py decides; one node; a Ref "
+        "model runs on the Actor's GPUs and moves with them; no tide Ref replicas, critic or lending)"))
     resize_move_s: Optional[float] = field(
         default=None, metadata=_check(lambda x: x >= 0, ">= 0 or null (null = measured at start-up)",
                                       "seconds a trainer resize is assumed to stop training until one is measured "

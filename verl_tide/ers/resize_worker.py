@@ -14,6 +14,7 @@ from verl.experimental.separation.engine_workers import DetachActorWorker
 from verl.single_controller.base.decorator import Dispatch, register
 
 from verl_tide.ers import train_state
+from verl_tide.ra2p.handoff_worker import TideActorWorker
 
 
 def training_engine(worker: Any) -> Any:
@@ -71,9 +72,8 @@ class TrainStateTransfer:
 RESHARDED_DIR = "tide_train_state"  # in verl's `global_step_N/actor`: the state at any world size (torch DCP)
 
 
-class ResizableActorWorker(TrainStateTransfer, DetachActorWorker):
-    """separate_async's Actor worker with the transfer methods: trainer `tide` installs it for the Actor role when
-    `tide.ers.resize_trainer` is on."""
+class ResizableActor(TrainStateTransfer):
+    """The transfer methods and a load that reads a checkpoint saved at another size; mixed into the Actor's worker."""
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
@@ -92,3 +92,13 @@ class ResizableActorWorker(TrainStateTransfer, DetachActorWorker):
                   f"at another size by ERS's trainer resize)", flush=True)
             return None
         return DetachActorWorker.load_checkpoint(self, local_path, hdfs_path, del_local_after_load)
+
+
+class ResizableActorWorker(ResizableActor, DetachActorWorker):
+    """separate_async's Actor worker with the transfer methods: trainer `tide` installs it for the Actor role when
+    `tide.ers.resize_trainer` is on."""
+
+
+class ResizableHandoffActorWorker(ResizableActor, TideActorWorker):
+    """The same for RA2P's hand-off Actor worker (a Ref model with `tide.ra2p.zero_copy`): its update takes the
+    inputs its process's Ref pass kept."""

@@ -30,6 +30,7 @@ class ActorGroupLayout:
     wg_kwargs: dict[str, Any] = field(default_factory=dict)  # verl's `RayWorkerGroup` keyword arguments
     max_colocate_count: int = 3  # verl's `ResourcePoolManager` default: CPUs per bundle
     after_init: Optional[Callable[[dict[str, Any]], None]] = None  # the plugin's own post-init calls (loss functions)
+    ref_role: Optional[str] = None  # verl's Ref role in the same processes (`str(Role.RefPolicy)`), built again too
 
 
 @dataclass(frozen=True)

@@ -139,21 +139,45 @@ class RefPath:
         """The Ref service (where ref log-probs wait by sample id) and the deferred-KL loss on the Actor, which
         takes them from the service, or from its own process after a colocated hand-off."""
         import ray
-        from verl.utils.config import omega_conf_to_dataclass
 
-        from verl_tide.ra2p.loss import DeferredKLLoss
-        from verl_tide.ra2p.ref_workers import RefLogProbService, ServiceRefSource
+        from verl_tide.ra2p.ref_workers import RefLogProbService
 
         if self.service is not None:
             return
         self.service_name = f"tide_ref_service_{os.getpid()}_{int(time.time())}"
         self.service = ray.remote(RefLogProbService).options(name=self.service_name).remote()
-        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
-        self.actor_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self.service_name)))
+        self._install_loss()
         if self.layout.handoff:
             print("verl-tide: RA2P colocated hand-off (tide.ra2p.zero_copy): ref log-probs reach the Actor's loss by "
                   "sample id, from the Ref role of its own process or Ray's shared memory, not TransferQueue",
                   flush=True)
+
+    def _install_loss(self) -> None:
+        """The deferred-KL loss on the Actor's group: it reads ref log-probs from the service or its own process."""
+        from verl.utils.config import omega_conf_to_dataclass
+
+        from verl_tide.ra2p.loss import DeferredKLLoss
+        from verl_tide.ra2p.ref_workers import ServiceRefSource
+
+        actor_cfg = omega_conf_to_dataclass(self.config.actor_rollout_ref.actor)
+        self.actor_wg.set_loss_fn(DeferredKLLoss(actor_cfg, ServiceRefSource(self.service_name)))
+
+    # ---- ERS's trainer resize: the Actor's processes (and verl's Ref role in them) built again ------------
+    def before_actor_rebuild(self) -> int:
+        """With the hand-off, the rows of samples scored ahead and not trained yet live in the Actor's processes
+        (and in shared memory they own), which the resize stops: those samples are forgotten as scored, so the
+        pass that trains them scores them again. Returns how many. Rows in TransferQueue outlive the processes."""
+        if not self.layout.handoff or not self.aggregator.scored:
+            return 0
+        keys = sorted(self.aggregator.scored)
+        self.forget_scored(keys)  # their ids go from the service at the next update
+        return len(keys)
+
+    def after_actor_rebuild(self, actor_wg: WorkerGroup, ref_wg: Optional[WorkerGroup], ref_in_actor: bool) -> None:
+        """The rebuilt groups bound; the new Actor processes get the deferred-KL loss again (verl's own otherwise)."""
+        self.bind(actor_wg, ref_wg, ref_in_actor)
+        if self.service is not None:
+            self._install_loss()
 
     def shutdown(self) -> None:
         if self.pool is not None:

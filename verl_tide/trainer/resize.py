@@ -10,7 +10,9 @@ smaller first, then the replica is launched again in its own pool (`rollout_rest
 checkpoint engine before the sync (which gives it the current weights) and the router after it.
 
 The seconds the training stopped for, measured, become the next decision's `move_s`. Thin verl adapter; the
-reach into verl's trainer attributes is `verl_compat.actor_pool_layout`.
+reach into verl's trainer attributes is `verl_compat.actor_pool_layout`. With a Ref model verl's Ref role lives in the
+Actor's processes (RA2P colocated): it is rebuilt with them, and samples Ref scored ahead whose rows stayed in
+those processes (the hand-off) are scored again by the pass that trains them (`RefPath.before_actor_rebuild`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class AppliedResize:
     rollout_s: float  # replicas released (up) or launched again (down)
     times: ResizeTimes
     reason: str
+    ref_rescored: int = 0  # samples scored ahead whose hand-off rows stopped with the old processes: scored again
 
     @property
     def total_s(self) -> float:
@@ -48,7 +51,9 @@ class AppliedResize:
         return (f"ERS resized the Actor's group {self.actor_from} -> {self.actor_to} GPU(s) after step {self.step} in "
                 f"{self.total_s:.1f} s (state out {t.export_s:.1f}, old group stopped {t.stop_s:.1f}, new group built "
                 f"{t.build_s:.1f}, state in {t.import_s:.1f}; rollout rank(s) {self.ranks} {verb} "
-                f"{self.rollout_s:.1f}): {self.reason}")
+                f"{self.rollout_s:.1f}"
+                + (f"; {self.ref_rescored} sample(s) scored ahead by Ref scored again" if self.ref_rescored else "")
+                + f"): {self.reason}")
 
 
 @dataclass
@@ -84,6 +89,7 @@ class TrainerResize:
         a0, a1 = actor.world_size, decision.actor_gpus
         replicas = trainer.standalone_server_manager.get_replicas()
         begin = start = time.perf_counter()
+        rescored = trainer.ref.before_actor_rebuild()  # hand-off rows live in the processes about to stop
         if a1 > a0:
             ranks = [r for r in sorted(trainer.rollout_roles, reverse=True)
                      if trainer.rollout_roles[r] is Role.ROLLOUT][: (a1 - a0) // self.gpus_per_replica]
@@ -102,9 +108,10 @@ class TrainerResize:
             for rank in ranks:
                 self._launch_again(trainer, rank, replicas[rank])
             rollout_s = time.perf_counter() - start
-        verl_compat.rebind_actor_group(trainer, views[self.layout.actor_role], self.pool)
-        trainer.ref.bind(trainer.actor_rollout_wg, getattr(trainer, "ref_policy_wg", None), bool(trainer.ref_in_actor))
-        done = AppliedResize(step, a0, times.world_to, ranks, rollout_s, times, decision.reason)
+        verl_compat.rebind_actor_group(trainer, views, self.layout, self.pool)
+        trainer.ref.after_actor_rebuild(trainer.actor_rollout_wg, getattr(trainer, "ref_policy_wg", None),
+                                        bool(trainer.ref_in_actor))
+        done = AppliedResize(step, a0, times.world_to, ranks, rollout_s, times, decision.reason, rescored)
         self.applied.append(done)
         self.move_s = done.total_s
         verl_compat.step_timing(trainer)["tide_resize"] = time.perf_counter() - begin
@@ -161,7 +168,10 @@ class TrainerResize:
               f"to {last.actor_to}, {mean} on {last.actor_from} (mean of the last {len(before)})", flush=True)
 
     def _views(self, trainer: Any) -> dict[str, Any]:
-        return {self.layout.actor_role: trainer.actor_rollout_wg}
+        views = {self.layout.actor_role: trainer.actor_rollout_wg}
+        if self.layout.ref_role is not None:  # verl's Ref role in the same processes: rebuilt with the Actor
+            views[self.layout.ref_role] = trainer.ref_policy_wg
+        return views
 
     def _release(self, trainer: Any, rank: int, replica: Any) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -212,20 +222,23 @@ def check_job(config: Any, tide_config: Any) -> None:
         raise TideConfigError(resize_blockers(config))
 
 
-def install_actor_worker(role_worker_mapping: dict, tide_config: Any) -> None:
+def install_actor_worker(role_worker_mapping: dict, tide_config: Any, inputs_handoff: bool) -> None:
     """With `tide.ers.resize_trainer`, the Actor role's worker with the state-transfer methods
-    (`ers/resize_worker.py`), before verl builds it: the Actor's state can leave its group and enter a new one."""
+    (`ers/resize_worker.py`), before verl builds it: the Actor's state can leave its group and enter a new one.
+    `inputs_handoff`: the Ref path installed RA2P's hand-off worker for the Actor (`ref_path.choose_worker_roles`);
+    the resizable one keeps its update."""
     if not tide_config.ers.resize_trainer:
         return
     from verl.trainer.ppo.utils import Role as VerlRole
 
     from verl_tide.core.config import TideConfigError
-    from verl_tide.ers.resize_worker import ResizableActorWorker
+    from verl_tide.ers.resize_worker import ResizableActorWorker, ResizableHandoffActorWorker
 
     if VerlRole.Actor not in role_worker_mapping:
         raise TideConfigError([f"tide.ers.resize_trainer = true: verl built no separate Actor role "
                                f"({sorted(map(str, role_worker_mapping))})"])
-    role_worker_mapping[VerlRole.Actor] = ray.remote(ResizableActorWorker)
+    role_worker_mapping[VerlRole.Actor] = ray.remote(ResizableHandoffActorWorker if inputs_handoff
+                                                     else ResizableActorWorker)
 
 
 def build(trainer: Any, move_s: Optional[float], setup_s: float) -> TrainerResize:
@@ -239,6 +252,9 @@ def build(trainer: Any, move_s: Optional[float], setup_s: float) -> TrainerResiz
           f"training {assumed:.1f} s until one is measured ("
           + ("tide.ers.resize_move_s" if move_s is not None else "the worker groups' set-up at start-up") + ")",
           flush=True)
+    if layout.ref_role is not None:
+        print("verl-tide: verl's Ref role shares the Actor's processes (RA2P colocated): a resize rebuilds it with "
+              "them on the Actor's new GPUs", flush=True)
     replicas = trainer.standalone_server_manager.get_replicas()
     return TrainerResize(layout, pool, assumed, mini_batch, trainer.actor_rollout_wg.world_size,
                          int(replicas[0].world_size) if replicas else 1)

@@ -128,7 +128,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
     def _init_resource_pool_mgr(self):
         super()._init_resource_pool_mgr()
         self.ref.choose_worker_roles(self.role_worker_mapping, self.mapping)  # set by _setup before this runs
-        resize.install_actor_worker(self.role_worker_mapping, self.tide_config)  # with tide.ers.resize_trainer
+        resize.install_actor_worker(self.role_worker_mapping, self.tide_config,  # with tide.ers.resize_trainer
+                                    self.ref.layout.inputs_handoff)
 
     def _setup(self):
         layout = self.ref.layout  # actor (and Ref, unless tide's replicas replace it) worker groups, reward loop

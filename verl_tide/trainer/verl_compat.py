@@ -52,7 +52,8 @@ def dispatch_layout(worker_group: Any, mesh: str) -> list[int]:
 
 def actor_pool_layout(trainer: Any) -> tuple[Any, Any]:
     """What verl's `PPOTrainer._setup` (0.9.1) built the Actor's pool from (`resource_pool_manager`,
-    `resource_pool_to_cls`: role name -> `RayClassWithInitArgs`), to build it again at another size; and the pool."""
+    `resource_pool_to_cls`: role name -> `RayClassWithInitArgs`), to build it again at another size; and the pool.
+    The pool may hold verl's Ref role beside the Actor (a Ref model, RA2P colocated): it is rebuilt with it."""
     from verl.trainer.ppo.utils import Role as VerlRole
 
     from verl_tide.trainer.actor_group import ActorGroupLayout
@@ -60,21 +61,23 @@ def actor_pool_layout(trainer: Any) -> tuple[Any, Any]:
     manager = reach(trainer, "resource_pool_manager", "the job's resource pools")
     pool = manager.get_resource_pool(VerlRole.Actor)
     classes = dict(reach(trainer, "resource_pool_to_cls", "worker classes per resource pool")[pool])
-    actor = str(VerlRole.Actor)
-    if set(classes) != {actor}:
-        raise RuntimeError(f"ERS's trainer resize rebuilds a pool holding the Actor alone; verl built {sorted(classes)} "
-                           f"in it (tide.ers.resize_trainer: no Ref model, critic or reward model on those GPUs)")
+    actor, ref = str(VerlRole.Actor), str(VerlRole.RefPolicy)
+    if set(classes) not in ({actor}, {actor, ref}):
+        raise RuntimeError(f"ERS's trainer resize rebuilds a pool holding the Actor and verl's Ref role alone; verl "
+                           f"built {sorted(classes)} in it (tide.ers.resize_trainer: no critic or reward model on "
+                           f"those GPUs)")
     if len(pool.store) != 1:
         raise RuntimeError(f"ERS's trainer resize is built for one node; the Actor's pool spans {pool.store}")
-    layout = ActorGroupLayout(class_dict=classes, actor_role=actor, init_method={actor: "init_model"},
+    layout = ActorGroupLayout(class_dict=classes, actor_role=actor, init_method={role: "init_model" for role in classes},
                               wg_kwargs={"device_name": trainer.config.trainer.device},
-                              max_colocate_count=pool.max_colocate_count)
+                              max_colocate_count=pool.max_colocate_count, ref_role=ref if ref in classes else None)
     return layout, pool
 
 
-def rebind_actor_group(trainer: Any, actor_wg: Any, pool: Any) -> None:
-    """The trainer's references to the Actor's group and pool (verl 0.9.1: `actor_rollout_wg`, both checkpoint
-    managers' `actor_wg`, the pool manager's and `resource_pool_to_cls`'s entries) moved to a rebuilt group."""
+def rebind_actor_group(trainer: Any, views: dict[str, Any], layout: Any, pool: Any) -> None:
+    """The trainer's references to the Actor's group, its Ref role and its pool (verl 0.9.1: `actor_rollout_wg`,
+    `ref_policy_wg`, both checkpoint managers' `actor_wg`, the pool manager's and `resource_pool_to_cls`'s entries)
+    moved to a rebuilt group."""
     from verl.trainer.ppo.utils import Role as VerlRole
 
     manager = reach(trainer, "resource_pool_manager", "the job's resource pools")
@@ -83,7 +86,12 @@ def rebind_actor_group(trainer: Any, actor_wg: Any, pool: Any) -> None:
     classes = reach(trainer, "resource_pool_to_cls", "worker classes per resource pool")
     classes[pool] = classes.pop(old)
     manager.resource_pool_dict[name] = pool
+    old_actor, actor_wg = trainer.actor_rollout_wg, views[layout.actor_role]
     trainer.actor_rollout_wg = actor_wg
+    if layout.ref_role is not None:
+        trainer.ref_policy_wg = views[layout.ref_role]
+    elif getattr(trainer, "ref_policy_wg", None) is old_actor:  # Ref inside the Actor (LoRA's adapter-off pass)
+        trainer.ref_policy_wg = actor_wg
     for attr in ("checkpoint_manager", "standalone_checkpoint_manager"):
         reach(reach(trainer, attr, "weight sync to rollout"), "actor_wg", "the group weights are sent from")
         setattr(getattr(trainer, attr), "actor_wg", actor_wg)
