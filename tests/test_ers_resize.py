@@ -193,7 +193,6 @@ def test_a_trainer_waiting_on_an_unsaturated_rollout_tries_a_quarter_of_its_gpus
     assert to == 12 and gain > 0.05 and "tried" in why
     assert probe_split(_signals(trainer_wait_s=10.0, rollout_capacity_rate=2.0, rollout_kv_bound=0.0), even) is None
     assert probe_split(waited, even, measured=frozenset({12, 16}))[0] == 11  # the next size nobody measured
-    assert probe_split(waited, _inputs(rollout_gpus=16, actor_gpus=16, actor_floor=16)) is None
 
     resizer = TrainerResizer(cooldown=0)
     assert resizer.decide(waited, even).actor_gpus == 16  # the first cycle that asks
@@ -234,14 +233,10 @@ def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trai
     assert decided and any(reason.startswith("resize") for _, reason in decided)
 
 
-def test_the_actor_takes_only_sizes_that_split_a_mini_batch_and_never_gives_back_its_start():
-    """verl splits each PPO mini-batch evenly over the Actor's GPUs; trainer tide gives back only GPUs it took
-    from rollout (`actor_floor`: its start)."""
+def test_the_actor_takes_only_sizes_that_split_a_mini_batch():
+    """verl splits each PPO mini-batch evenly over the Actor's GPUs."""
     trainer_bound = _signals(rollout_utilization=0.5, rollout_wait_s=50.0)
     assert target_split(trainer_bound, _inputs(mini_batch=40))[0] == 10  # 16 does not divide 40; 10 does
-    starved = _signals(trainer_wait_s=80.0, rollout_capacity_rate=1.0)
-    floor = target_split(starved, _inputs(rollout_gpus=4, actor_gpus=28, actor_floor=24))
-    assert floor[0] >= 24
 
 
 def test_trainer_resize_refuses_what_it_cannot_rebuild_naming_the_keys():

@@ -310,5 +310,35 @@ def test_the_trainer_s_resize_inputs_carry_the_saturation_figures_the_simulator_
                            gpus_per_replica=2)
     roles = {0: Role.ROLLOUT, 1: Role.ROLLOUT, 2: Role.REF}
     inputs = resize.inputs(2, roles, batch=256, steps_left=10, weight_kv_tokens=265_600.0, kv_bound_min=0.3)
-    assert (inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica, inputs.actor_floor) == (4, 2, 2, 2)
+    assert (inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica) == (4, 2, 2)
     assert inputs.weight_kv_tokens == 265_600.0 and inputs.kv_bound_min == 0.3 and inputs.move_s == 30.0
+
+
+def test_a_new_rollout_replica_is_built_as_verls_manager_builds_its_own_and_joins_its_lists():
+    """Past the start split the Actor's GPUs go to a replica the pool never had: the manager's class and configs,
+    the next replica rank after the pool's first, `init_standalone()`; then every reader of the manager's lists
+    (health checks, reports, the weight sync) sees it. A verl without those attributes fails naming one."""
+    from types import SimpleNamespace
+
+    from verl_tide.trainer.verl_compat import VerlChanged, launch_standalone_replica
+
+    class Replica:
+        def __init__(self, replica_rank, config, model_config, gpus_per_node):
+            self.replica_rank, self.gpus_per_node, self.started = replica_rank, gpus_per_node, False
+            self.server_handle = f"handle{replica_rank}"
+            self.server_address = f"addr{replica_rank}"
+
+        async def init_standalone(self):
+            self.started = True
+
+    old = Replica(2, None, None, 1)
+    manager = SimpleNamespace(rollout_replicas=[old], rollout_replica_class=Replica, start_rank=2,
+                              rollout_config=SimpleNamespace(n_gpus_per_node=1), model_config=None,
+                              server_handles=["handle2"], server_addresses=["addr2"])
+    rank, replica = launch_standalone_replica(manager)
+    assert rank == 1 and replica.replica_rank == 3 and replica.started
+    assert manager.rollout_replicas == [old, replica]
+    assert manager.server_handles == ["handle2", "handle3"] and manager.server_addresses == ["addr2", "addr3"]
+    del manager.rollout_replica_class
+    with pytest.raises(VerlChanged, match="rollout_replica_class"):
+        launch_standalone_replica(manager)

@@ -48,7 +48,6 @@ class ResizeInputs:
     kv_bound_min: float = 0.5
     gpus_per_replica: int = 1
     mini_batch: Optional[int] = None  # sequences in a PPO mini-batch: verl splits it evenly over the Actor's GPUs
-    actor_floor: int = 1  # the fewest GPUs the Actor may have (trainer tide: its start, GPUs given back are lent)
 
 
 @dataclass(frozen=True)
@@ -89,7 +88,7 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
         return min(rollout((r0 + a0 - actor) // g), trainer_rate * actor / a0)
 
     now = rate_at(a0)
-    candidates = [a for a in range(max(inputs.actor_floor, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1)
+    candidates = [a for a in range(max(1, (a0 + 1) // 2), min(2 * a0, r0 + a0 - g) + 1)
                   if (a - a0) % g == 0 and (a == a0 or within[0] < a < within[1])
                   and (a == a0 or inputs.mini_batch is None or inputs.mini_batch % a == 0)]
     best = max(candidates, key=lambda a: (rate_at(a), -abs(a - a0)))
@@ -115,7 +114,7 @@ def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[f
     if not cycle_s or not rate or r0 < g or twt < trainer_wait_share * cycle_s:
         return None
     step = max(g, (a0 // 4) // g * g)
-    sizes = [a for a in range(a0 - step, inputs.actor_floor - 1, -g) if within[0] < a < within[1]
+    sizes = [a for a in range(a0 - step, 0, -g) if within[0] < a < within[1]
              and a not in measured and (inputs.mini_batch is None or inputs.mini_batch % a == 0)]
     if not sizes:
         return None

@@ -40,8 +40,8 @@ class SystemSpec:
     # can start, then after each update as ERS decides (`ers/lending.py`, through the boundary planner, as trainer
     # tide asks it): preemptively before an evaluation, else when the expected wait pays for the switch
     lend_actor: bool = False
-    # ERS resizes the Actor's group, GPUs taken from rollout or given back (`ers/resize.py`); not with lending or
-    # hybrid replicas (both roll out on the Actor's GPUs); trainer tide does not resize yet
+    # ERS resizes the Actor's group, GPUs taken from rollout or given to it (`ers/resize.py`, as trainer tide with
+    # tide.ers.resize_trainer); not with lending or hybrid replicas (both roll out on the Actor's GPUs)
     resize_trainer: bool = False
     # with `hybrid`: who decides when the replicas roll out: eager (whenever the trainer waits), or verl's own rule,
     # separate_async (its enable_switch) | fully_async_default (its dynamic schedule) (`sim/stock.py`); a verl

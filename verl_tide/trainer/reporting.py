@@ -103,6 +103,9 @@ class RolloutReport:
         m["tide/ctb/tokens_used"] = float(sum(r["usage"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_budget"] = float(sum(r["budget"] for r in ctb["ranks"].values()))
         m["tide/ctb/tokens_base"] = float(sum(r["base"] for r in ctb["ranks"].values()))  # at budget factor 1
+        served = status.get("turns_served", {})  # per server since it (re)started: a relaunch has a new address
+        for rank, replica in enumerate(self.pool.get_replicas()):
+            m[f"tide/ctb/turns_served_rank{rank}"] = float(served.get(replica.server_address, 0))
         if actor_servers:
             m.update(lent_metrics(status, actor_servers))
         return m

@@ -40,6 +40,7 @@ class AppliedResize:
     times: ResizeTimes
     reason: str
     ref_rescored: int = 0  # samples scored ahead whose hand-off rows stopped with the old processes: scored again
+    new_ranks: int = 0  # of `ranks` (down), those launched on GPUs rollout never had
 
     @property
     def total_s(self) -> float:
@@ -47,7 +48,9 @@ class AppliedResize:
 
     def text(self) -> str:
         t = self.times
-        verb = "released" if self.actor_to > self.actor_from else "launched again"
+        verb = "released" if self.actor_to > self.actor_from else \
+            "launched new" if self.new_ranks == len(self.ranks) else "launched again" if not self.new_ranks else \
+            f"launched ({self.new_ranks} new)"
         return (f"ERS resized the Actor's group {self.actor_from} -> {self.actor_to} GPU(s) after step {self.step} in "
                 f"{self.total_s:.1f} s (state out {t.export_s:.1f}, old group stopped {t.stop_s:.1f}, new group built "
                 f"{t.build_s:.1f}, state in {t.import_s:.1f}; rollout rank(s) {self.ranks} {verb} "
@@ -64,9 +67,10 @@ class TrainerResize:
     pool: Any  # the Actor's current `RayResourcePool`
     move_s: float  # what the next decision assumes a resize costs (measured after the first)
     mini_batch: int  # sequences per PPO mini-batch: the Actor's GPU count must divide it
-    start_gpus: int  # the Actor's GPUs at start-up: a down move gives back only GPUs taken from rollout
+    start_gpus: int  # the Actor's GPUs at start-up (a checkpoint at another size carries a re-sharding copy)
     gpus_per_replica: int = 1  # a rollout replica's GPUs (verl's `RolloutReplica.world_size`): moves go in these
     training_ranks: list[int] = field(default_factory=list)  # rollout ranks now in the Actor's group, in order
+    created: list[int] = field(default_factory=list)  # rollout ranks launched on GPUs the Actor had at start-up
     applied: list[AppliedResize] = field(default_factory=list)
     _rejoin: list[int] = field(default_factory=list)
     timeout_s: float = 120.0
@@ -80,7 +84,7 @@ class TrainerResize:
         rollout = self.gpus_per_replica * sum(r is Role.ROLLOUT for r in roles.values())
         return ResizeInputs(rollout_gpus=rollout, actor_gpus=actor_gpus, batch=batch, move_s=self.move_s,
                             steps_left=steps_left, weight_kv_tokens=weight_kv_tokens, kv_bound_min=kv_bound_min,
-                            mini_batch=self.mini_batch, actor_floor=self.start_gpus,
+                            mini_batch=self.mini_batch,
                             gpus_per_replica=self.gpus_per_replica)
 
     def apply(self, trainer: Any, decision: ResizeDecision, step: int) -> AppliedResize:
@@ -90,6 +94,7 @@ class TrainerResize:
         replicas = trainer.standalone_server_manager.get_replicas()
         begin = start = time.perf_counter()
         rescored = trainer.ref.before_actor_rebuild()  # hand-off rows live in the processes about to stop
+        new_ranks: list[int] = []
         if a1 > a0:
             ranks = [r for r in sorted(trainer.rollout_roles, reverse=True)
                      if trainer.rollout_roles[r] is Role.ROLLOUT][: (a1 - a0) // self.gpus_per_replica]
@@ -100,18 +105,21 @@ class TrainerResize:
             if times.world_to == a0:  # the group could not grow and was rebuilt as it was: rollout gets them back
                 for rank in ranks:
                     self._launch_again(trainer, rank, replicas[rank])
-        else:
+        else:  # GPUs taken from rollout go back first; past the start split, rollout gets replicas it never had
             views, self.pool, times = actor_group.resize_actor_group(self.layout, self._views(trainer), self.pool, a1)
             given_back = (a0 - times.world_to) // self.gpus_per_replica
             ranks = self.training_ranks[-given_back:] if given_back else []
             start = time.perf_counter()
             for rank in ranks:
                 self._launch_again(trainer, rank, replicas[rank])
+            new_ranks = [self._launch_new(trainer) for _ in range(given_back - len(ranks))]
+            ranks = [*ranks, *new_ranks]
             rollout_s = time.perf_counter() - start
         verl_compat.rebind_actor_group(trainer, views, self.layout, self.pool)
         trainer.ref.after_actor_rebuild(trainer.actor_rollout_wg, getattr(trainer, "ref_policy_wg", None),
                                         bool(trainer.ref_in_actor))
-        done = AppliedResize(step, a0, times.world_to, ranks, rollout_s, times, decision.reason, rescored)
+        done = AppliedResize(step, a0, times.world_to, ranks, rollout_s, times, decision.reason, rescored,
+                             len(new_ranks))
         self.applied.append(done)
         self.move_s = done.total_s
         verl_compat.step_timing(trainer)["tide_resize"] = time.perf_counter() - begin
@@ -188,6 +196,31 @@ class TrainerResize:
         trainer.rollout_roles.pop(rank, None)
         trainer.health.training_ranks.add(rank)
         self.training_ranks.append(rank)
+
+    def _launch_new(self, trainer: Any) -> int:
+        """A rollout replica on GPUs the Actor gave up past its start: built as verl builds the pool's replicas
+        (`verl_compat.launch_standalone_replica`), it joins the checkpoint engine before the sync and CTB's
+        router after it, as a replica launched again does. Returns its rollout rank."""
+        out: list[tuple[int, Any]] = []
+        error: list[BaseException] = []
+
+        def launch() -> None:
+            try:
+                out.append(verl_compat.launch_standalone_replica(trainer.standalone_server_manager))
+            except BaseException as e:
+                error.append(e)
+
+        thread = threading.Thread(target=launch, name="tide-resize-new-rank")
+        thread.start()
+        thread.join()
+        if error:
+            raise RuntimeError("ERS's trainer resize: a new rollout replica on the GPUs the Actor gave up did not "
+                               "launch") from error[0]
+        rank, replica = out[0]
+        trainer.standalone_checkpoint_manager.add_replicas([replica])  # the coming sync gives it the weights
+        self.created.append(rank)
+        self._rejoin.append(rank)
+        return rank
 
     def _launch_again(self, trainer: Any, rank: int, replica: Any) -> None:
         from verl_tide.rollout_restart import new_rollout_workers, relaunch_replica

@@ -117,6 +117,28 @@ def server_handle(replica: Any) -> Any:
     return reach(replica, "server_handle", "a rollout replica's server actor")
 
 
+def launch_standalone_replica(manager: Any) -> tuple[int, Any]:
+    """A new standalone rollout replica for the pool, as verl 0.9.1's `LLMServerManager._initialize_llm_servers`
+    builds each (the manager's replica class and configs, the next replica rank, `init_standalone()`: a resource
+    pool of its own on free GPUs, workers, servers), appended to the manager's lists (`rollout_replicas`,
+    `server_handles`, `server_addresses`) so every reader of `get_replicas()` sees it. Returns its index there
+    (trainer `tide`'s rollout rank) and the replica. verl offers no call that adds one; it runs an event loop of
+    its own: call it where none runs (a thread)."""
+    import asyncio
+
+    replicas = reach(manager, "rollout_replicas", "the rollout pool's replicas")
+    config = reach(manager, "rollout_config", "the rollout config replicas are built from")
+    replica = reach(manager, "rollout_replica_class", "the rollout replica class")(
+        replica_rank=int(reach(manager, "start_rank", "the pool's first replica rank")) + len(replicas), config=config,
+        model_config=reach(manager, "model_config", "the model config replicas are built from"),
+        gpus_per_node=config.n_gpus_per_node)
+    asyncio.run(replica.init_standalone())
+    replicas.append(replica)
+    reach(manager, "server_handles", "the pool's server actors").append(server_handle(replica))
+    reach(manager, "server_addresses", "the pool's server addresses").append(replica.server_address)
+    return len(replicas) - 1, replica
+
+
 def reward_workers(trainer: Any) -> Any:
     """The reward loop's worker handles (None when rewards run on the trainer's GPUs)."""
     manager = reach(trainer, "reward_loop_manager", "verl's reward loop")
