@@ -299,12 +299,10 @@ def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path,
                          latency_scale: float = 0.0, timeout_s: float = 900.0, log_path: str | Path | None = None,
                          on_line: Callable[[str], None] | None = None,
                          module: str = "verl.trainer.main_ppo",
-                         done: Callable[[str], bool] | None = None,
-                         extra_env: dict[str, str] | None = None) -> tuple[RunResult, dict]:
+                         done: Callable[[str], bool] | None = None) -> tuple[RunResult, dict]:
     """A `main_ppo` job against its own environment service (`verl-tide env serve --session-timeout 600
     *env_args`): `overrides(url)` builds the job's overrides; returns the run and the service's /health after it
-    (sessions started, ended, open, `first_start_unix`); the service is stopped either way. `extra_env`: as
-    `run_main_ppo`'s (device budgets put the service in the job's host group)."""
+    (sessions started, ended, open, `first_start_unix`); the service is stopped either way."""
     import json
     import signal
     import urllib.request
@@ -312,7 +310,7 @@ def run_with_env_service(overrides: Callable[[str], list[str]], cwd: str | Path,
     proc, url = spawn_env_service("--session-timeout", "600", *env_args, latency_scale=latency_scale)
     try:
         run = run_main_ppo(overrides(url), cwd=cwd, timeout_s=timeout_s, log_path=log_path, on_line=on_line,
-                           host_pids=(proc.pid,), module=module, done=done, extra_env=extra_env)
+                           host_pids=(proc.pid,), module=module, done=done)
         with urllib.request.urlopen(url + "/health", timeout=10) as r:
             health = json.load(r)
     finally:
