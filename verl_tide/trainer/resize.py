@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -49,8 +49,7 @@ class AppliedResize:
     def text(self) -> str:
         t = self.times
         verb = "released" if self.actor_to > self.actor_from else \
-            "launched new" if self.new_ranks == len(self.ranks) else "launched again" if not self.new_ranks else \
-            f"launched ({self.new_ranks} new)"
+            f"launched ({self.new_ranks} new)" if self.new_ranks else "launched again"
         return (f"ERS resized the Actor's group {self.actor_from} -> {self.actor_to} GPU(s) after step {self.step} in "
                 f"{self.total_s:.1f} s (state out {t.export_s:.1f}, old group stopped {t.stop_s:.1f}, new group built "
                 f"{t.build_s:.1f}, state in {t.import_s:.1f}; rollout rank(s) {self.ranks} {verb} "
@@ -70,7 +69,6 @@ class TrainerResize:
     start_gpus: int  # the Actor's GPUs at start-up (a checkpoint at another size carries a re-sharding copy)
     gpus_per_replica: int = 1  # a rollout replica's GPUs (verl's `RolloutReplica.world_size`): moves go in these
     training_ranks: list[int] = field(default_factory=list)  # rollout ranks now in the Actor's group, in order
-    created: list[int] = field(default_factory=list)  # rollout ranks launched on GPUs the Actor had at start-up
     applied: list[AppliedResize] = field(default_factory=list)
     _rejoin: list[int] = field(default_factory=list)
     timeout_s: float = 120.0
@@ -201,48 +199,42 @@ class TrainerResize:
         """A rollout replica on GPUs the Actor gave up past its start: built as verl builds the pool's replicas
         (`verl_compat.launch_standalone_replica`), it joins the checkpoint engine before the sync and CTB's
         router after it, as a replica launched again does. Returns its rollout rank."""
-        out: list[tuple[int, Any]] = []
-        error: list[BaseException] = []
-
-        def launch() -> None:
-            try:
-                out.append(verl_compat.launch_standalone_replica(trainer.standalone_server_manager))
-            except BaseException as e:
-                error.append(e)
-
-        thread = threading.Thread(target=launch, name="tide-resize-new-rank")
-        thread.start()
-        thread.join()
-        if error:
-            raise RuntimeError("ERS's trainer resize: a new rollout replica on the GPUs the Actor gave up did not "
-                               "launch") from error[0]
-        rank, replica = out[0]
+        rank, replica = _off_this_thread(
+            lambda: verl_compat.launch_standalone_replica(trainer.standalone_server_manager),
+            "a new rollout replica on the GPUs the Actor gave up did not launch")
         trainer.standalone_checkpoint_manager.add_replicas([replica])  # the coming sync gives it the weights
-        self.created.append(rank)
         self._rejoin.append(rank)
         return rank
 
     def _launch_again(self, trainer: Any, rank: int, replica: Any) -> None:
         from verl_tide.rollout_restart import new_rollout_workers, relaunch_replica
 
-        error: list[BaseException] = []
-
-        def launch() -> None:  # verl's launch_servers runs an event loop of its own: not on this thread's
-            try:
-                relaunch_replica(replica, lambda r: new_rollout_workers(r, f"rollout_standalone_{rank}_resize"
-                                                                          f"{len(self.applied)}"))
-            except BaseException as e:
-                error.append(e)
-
-        thread = threading.Thread(target=launch, name=f"tide-resize-rank-{rank}")
-        thread.start()
-        thread.join()
-        if error:
-            raise RuntimeError(f"ERS's trainer resize: rollout rank {rank} did not launch again") from error[0]
+        _off_this_thread(lambda: relaunch_replica(replica, lambda r: new_rollout_workers(
+            r, f"rollout_standalone_{rank}_resize{len(self.applied)}")), f"rollout rank {rank} did not launch again")
         trainer.standalone_checkpoint_manager.add_replicas([replica])  # the coming sync gives it the weights
         trainer.health.training_ranks.discard(rank)
         self.training_ranks.remove(rank)
         self._rejoin.append(rank)
+
+
+def _off_this_thread(launch: Callable[[], Any], failure: str) -> Any:
+    """`launch()` on a thread of its own, waited for: verl's replica launches run an event loop of their own, not
+    on this thread's. Its error is raised here, naming what failed."""
+    out: list[Any] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(launch())
+        except BaseException as e:
+            error.append(e)
+
+    thread = threading.Thread(target=run, name="tide-resize-launch")
+    thread.start()
+    thread.join()
+    if error:
+        raise RuntimeError(f"ERS's trainer resize: {failure}") from error[0]
+    return out[0]
 
 
 def check_job(config: Any, tide_config: Any) -> None:
