@@ -63,9 +63,16 @@ def test_fully_async_default_policy_follows_verls_ratio_and_benefit_rules():
     assert p.ratio == pytest.approx(0.38)  # + clip(50/100, 0.02, 0.1)
     p.step_ended(StepWaits(1.0, 1), ready_next=100, switch_cost_s=None)
     assert p.ratio == pytest.approx(0.40)  # + the 0.02 floor
-    # 1 s / sample measured now: a gap of 40 samples pays 40 s; a 50 s switch does not pay
-    assert not p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=50.0)
-    assert p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=None) is False  # the 50 s stays measured
+    # 1 s / sample measured now: a gap of 42 samples pays 42 s, more than the default 10 s switch
+    assert p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=None)
+    # the cycle's own switching (activate + deactivate) is kept after its decision, as verl's update_after_step
+    p.cycle_switched(50.0)
+    assert not p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=None)  # 44 s against 50 s
+    assert not p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=0.1)  # a round trip passed is not read
+    p.cycle_switched(0.0)  # a cycle that did not switch is not kept
+    p.cycle_switched(1.0)
+    p.cycle_switched(1.0)  # the mean of the last three: 17.3 s
+    assert p.step_ended(StepWaits(1.0, 1), ready_next=0, switch_cost_s=None)  # 48 s against it
     with pytest.raises(ValueError, match="hybrid_switch = 'nope'"):
         hybrid_switch("nope", 10, 1, 2, 1, 0.0)
 

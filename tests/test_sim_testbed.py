@@ -280,3 +280,24 @@ def test_plan_takes_the_environment_from_a_probe_of_its_service(tmp_path, capsys
         cli_main(["plan", "--hardware", "testbed-cpu", "--workload", "testbed_demo", "--gpus", "4",
                   "--env-url", "http://127.0.0.1:9", "--probe-episodes", "1"])
     assert "--env-url http://127.0.0.1:9: the environment probe failed" in capsys.readouterr().err
+
+
+def test_a_steps_readiness_counts_from_when_the_trainer_was_free_as_trainer_tides_step_does():
+    """Trainer tide's step begins (its tracker's `step_started`, verl's `on_step_begin`) before its sampler waits,
+    so a step whose one micro-batch arrives during the wait has none ready at its start and a measured TPRM, which
+    ERS's lending reads after the update. Counted from when the data was there (as the simulator did), every step
+    of the demo job had its micro-batch ready at its start, TPRM was never measured, and the simulated tide lent
+    the Actor's GPU after every other update, where trainer tide's measured runs lent it through the cold start
+    only (the rollout never waits for KV there)."""
+    w = replace(load_workload("testbed_demo"), steps=8)
+    spec = SystemSpec("tide", rollout_ratio=0.5, routing="ctb", consume="ra2p", eval_blocks_trainer=False,
+                      elastic=True, lend_actor=True)
+    sim = Simulation(w, 2, spec, load_profile("testbed-cpu-0.5"), dt=0.05)
+    r = sim.run()
+    reasons = [why for _, _, why in sim.lend_decisions]
+    assert len(reasons) == w.steps - 1
+    assert not any("no arrival rate" in why for why in reasons), reasons
+    waited = [why for why in reasons if "expected wait" in why]
+    assert waited and all("waited for KV 0%" in why for why in waited), reasons
+    assert not any(lent for _, lent, _ in sim.lend_decisions)
+    assert sim.tracker.signals(1, 1.0).tprm_smoothed > 0 and r.consumed_tokens > 0

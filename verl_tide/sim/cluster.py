@@ -183,7 +183,9 @@ class Simulation:
             mode = self._step_ra2p_mode() if self.spec.consume is Consume.RA2P else None
             self.step_open = OpenStep(start, len(self.rollout.micro_batches), mode,
                                       (self.planner.share or 0.0) if mode is RA2PMode.SPLIT else 0.0)
-            self.tracker.step_started(t=start)
+            # trainer tide's step begins before its sampler waits (`on_step_begin`), so RAS and TPRM count from
+            # when the trainer was free: a step whose data arrives during the wait has none ready at its start
+            self.tracker.step_started(t=min(start, self.trainer_free_at))
         step = self.step_open
         while self.rollout.micro_batches and len(step.mbs) < self._step_M:
             mb = self.rollout.micro_batches.popleft()
@@ -267,9 +269,12 @@ class Simulation:
             ready_next = len(self.rollout.ready) + sum(mb.sequences for mb in self.rollout.micro_batches)
             lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
                                           2 * self.costs.lend_switch_s if self.hybrid.round_trips else None)
-            if lend and not self.hybrid.on and self.consumed_steps < self.w.steps:
+            lend = lend and not self.hybrid.on and self.consumed_steps < self.w.steps
+            if lend:
                 self.hybrid.round_trips += 1
                 self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.lend_switch_s)
+            # the cycle's switches as verl times them: taken back at the step's start, lent again now
+            self.hybrid.switch.cycle_switched(self.costs.lend_switch_s * (int(self.hybrid.step_lent) + int(lend)))
         for rr in self.rollout.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:

@@ -39,6 +39,10 @@ class HybridSwitch(Protocol):
         """After a step (before its weight sync): adapt, and whether to lend the replicas for the next step.
         `ready_next`: sequences already ready for it; `switch_cost_s`: the measured round trip, None before one."""
 
+    def cycle_switched(self, seconds: float) -> None:
+        """The step cycle that just ended spent `seconds` switching the replicas (taken back at its start, lent
+        at its end), as the rule measures it."""
+
 
 class SeparateAsyncSwitch:
     """verl separate_async's switch (defaults of `HybridRolloutSwitchConfig` in verl 0.9.1)."""
@@ -56,6 +60,10 @@ class SeparateAsyncSwitch:
     def threshold(self) -> int:
         mini = self.batch // self.psync
         return min(max(round(self.ratio * self.batch), mini), self.batch)
+
+    def cycle_switched(self, seconds: float) -> None:
+        """verl measures each direction when it switches (`_to_rollout_costs`, `_to_trainer_costs`) and weighs a
+        round trip only once both were measured: the caller passes that round trip to `step_ended`."""
 
     def step_ended(self, waits: StepWaits, ready_next: int, switch_cost_s: Optional[float]) -> bool:
         if waits.sequences > 0 and waits.seconds > 0:
@@ -96,9 +104,14 @@ class FullyAsyncDefaultPolicy:
     def threshold(self) -> int:
         return max(0, int(self.batch * self.ratio))
 
+    def cycle_switched(self, seconds: float) -> None:
+        """verl's `update_after_step` keeps the cycle's activate + deactivate seconds when above zero, after the
+        cycle's decision: the cold start's deactivation counts, and a decision weighs the cycles before it."""
+        if seconds > 0:
+            self._switch_costs.append(seconds)
+
     def step_ended(self, waits: StepWaits, ready_next: int, switch_cost_s: Optional[float]) -> bool:
-        if switch_cost_s:
-            self._switch_costs.append(switch_cost_s)
+        """`switch_cost_s` is not read: verl's policy weighs the cycles' own switching (`cycle_switched`)."""
         if waits.sequences > 0:
             self.ratio = min(1.0, self.ratio + min(0.1, max(0.02, waits.sequences / self.batch)))
             if waits.seconds > 0:
