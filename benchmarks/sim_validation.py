@@ -9,6 +9,10 @@ prediction beside the measured goodput pooled over the head-to-head's rounds, sa
 whether the systems come out in the same order. Systems the simulator does not model are listed as such.
 
     python benchmarks/sim_validation.py   # writes benchmarks/results/sim_validation_testbed_cpu.{json,png}
+
+`--measured` repeated pools later sittings' runs of the same job (each system's runs, their mean). Beside the
+strict order of the means, the report counts the pairs of systems the runs themselves order (no run of one
+within the other's range) and whether the prediction agrees on each.
 """
 
 from __future__ import annotations
@@ -72,10 +76,29 @@ def specs(gpus: int, tide_rollout_gpus: int, ref_model: bool) -> dict[str, Syste
     return out
 
 
-def measured_goodput(run: dict, after_step1: bool) -> dict:
+def measured_goodput(results: list[dict], after_step1: bool) -> dict:
+    """One system's measured goodput: every run it has in the head-to-head reports (sittings pooled, each run
+    once), their mean."""
     key = "goodput_after_step1" if after_step1 else "goodput"
-    runs = run.get(f"{key}_runs") or [run[f"{key}_tok_s"]]
+    runs = [g for r in results for g in (r.get(f"{key}_runs") or [r[f"{key}_tok_s"]])]
     return {"mean": statistics.fmean(runs), "runs": runs}
+
+
+def measured_systems(reports: list[dict]) -> dict[str, list[dict]]:
+    """Each system's results over the head-to-head reports, in the order the first report names them."""
+    out: dict[str, list[dict]] = {}
+    for report in reports:
+        for name, r in report.items():
+            if isinstance(r, dict) and "goodput_tok_s" in r:
+                out.setdefault(name, []).append(r)
+    return out
+
+
+def source(path: Path, report: dict) -> dict:
+    return {"file": str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path),
+            "date": report.get("date"), "commit": report.get("commit"),
+            "device_budgets": report.get("device_budgets"), "repeats": report.get("repeats"),
+            "clock": report.get("clock")}
 
 
 def after_step1_tok_s(r) -> float:
@@ -89,11 +112,32 @@ def order(values: dict[str, float]) -> list[str]:
     return sorted(values, key=values.__getitem__, reverse=True)
 
 
+def resolved_pairs(systems: dict[str, dict], suffix: str = "") -> dict:
+    """The pairs of systems whose measured runs do not overlap (every run of one above every run of the other),
+    and whether the prediction orders each the same way. The strict order compares means that a second run can
+    swap; a pair whose runs interleave is one the measurement has not ordered."""
+    names = list(systems)
+    resolved, wrong = [], []
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            ra, rb = systems[a][f"measured{suffix}_runs_tok_s"], systems[b][f"measured{suffix}_runs_tok_s"]
+            if min(ra) > max(rb) or min(rb) > max(ra):
+                hi, lo = (a, b) if min(ra) > max(rb) else (b, a)
+                resolved.append([hi, lo])
+                if systems[hi][f"predicted{suffix}_tok_s"] <= systems[lo][f"predicted{suffix}_tok_s"]:
+                    wrong.append([hi, lo])
+    return {"pairs": len(names) * (len(names) - 1) // 2, "resolved": len(resolved), "in_order": len(resolved) - len(wrong),
+            "out_of_order": wrong}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="testbed-cpu")
     ap.add_argument("--workload", default="testbed_demo")
-    ap.add_argument("--measured", default=str(ROOT / "benchmarks/results/e2e_compare_budgeted_cpu.json"))
+    ap.add_argument("--measured", action="append", default=None,
+                    help="a head-to-head's JSON (benchmarks/e2e_compare.py); repeat it to pool later sittings' runs "
+                         "of the same job under the same budgets (default: "
+                         "benchmarks/results/e2e_compare_budgeted_cpu.json)")
     ap.add_argument("--job", choices=("demo", "every_part"), default="demo",
                     help="the head-to-head's job: its fake GPUs, tide's split and whether it has a Ref model")
     ap.add_argument("--seeds", type=int, default=5)
@@ -102,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     hw = load_profile(args.profile)
     w = load_workload(args.workload)
-    measured = json.loads(Path(args.measured).read_text())
+    paths = [Path(p) for p in (args.measured or [ROOT / "benchmarks/results/e2e_compare_budgeted_cpu.json"])]
+    reports = [json.loads(p.read_text()) for p in paths]
+    if len({json.dumps(r.get("device_budgets"), sort_keys=True) for r in reports}) != 1:
+        raise SystemExit(f"--measured: the head-to-heads ran under different device budgets "
+                         f"({[r.get('device_budgets') for r in reports]})")
+    measured = measured_systems(reports)
     t0 = time.monotonic()
     systems = {}
     gpus, tide_rollout_gpus, ref_model = JOBS[args.job]
@@ -139,13 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": date.today().isoformat(), "commit": commit, "job": f"{args.job} (test bed)", "gpus": gpus,
         "profile": hw.name, "profile_source": hw.measured.source if hw.measured else "",
         "workload": w.name, "seeds": args.seeds, "tick_s": DT_S, "tolerance": TOLERANCE,
-        "measured": {"file": str(Path(args.measured).relative_to(ROOT)) if Path(args.measured).is_relative_to(ROOT)
-                     else args.measured, "date": measured.get("date"), "commit": measured.get("commit"),
-                     "device_budgets": measured.get("device_budgets"), "repeats": measured.get("repeats"),
-                     "clock": measured.get("clock")},
+        "measured": {**source(paths[0], reports[0]),
+                     **({"more": [source(p, r) for p, r in zip(paths[1:], reports[1:])]} if len(paths) > 1 else {})},
         "systems": systems,
         "all_within_tolerance": all(r["within_tolerance"] for r in modelled.values()),
         "same_order": order_pred == order_meas, "order_predicted": order_pred, "order_measured": order_meas,
+        "measured_order_resolved_pairs": resolved_pairs(modelled),
+        "measured_order_resolved_pairs_after_step1": resolved_pairs(modelled, "_after_step1"),
         "all_within_tolerance_after_step1": all(r["within_tolerance_after_step1"] for r in modelled.values()),
         "same_order_after_step1": order_pred1 == order_meas1, "order_predicted_after_step1": order_pred1,
         "order_measured_after_step1": order_meas1,
@@ -164,6 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"whole clock: all within {TOLERANCE:.0%}: {report['all_within_tolerance']}, same order: "
           f"{report['same_order']}; from step 2 on: {report['all_within_tolerance_after_step1']}, "
           f"{report['same_order_after_step1']}")
+    for key, label in (("", "whole clock"), ("_after_step1", "from step 2 on")):
+        pairs = report[f"measured_order_resolved_pairs{key}"]
+        print(f"{label}: {pairs['resolved']} of {pairs['pairs']} pairs ordered by the runs (no overlap), "
+              f"{pairs['in_order']} of them in the predicted order" +
+              (f"; out of order: {pairs['out_of_order']}" if pairs["out_of_order"] else ""))
     Path(args.json).write_text(json.dumps(report, indent=1))
     plot(report, args.plot)
     return 0
