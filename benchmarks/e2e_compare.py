@@ -279,4 +279,7 @@ def print_timeline(finished: dict[str, dict]) -> None:
 
 
 if __name__ == "__main__":
+    from verl_tide.testing.testbed import unwind_on_sigterm
+
+    unwind_on_sigterm()
     sys.exit(main())

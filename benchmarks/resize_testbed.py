@@ -128,4 +128,7 @@ def write(summary: dict, runs: dict, args: argparse.Namespace, budgets: dict, ou
 
 
 if __name__ == "__main__":
+    from verl_tide.testing.testbed import unwind_on_sigterm
+
+    unwind_on_sigterm()
     raise SystemExit(main())

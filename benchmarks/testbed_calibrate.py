@@ -443,4 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from verl_tide.testing.testbed import unwind_on_sigterm
+
+    unwind_on_sigterm()
     sys.exit(main())

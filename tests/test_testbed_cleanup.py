@@ -261,3 +261,31 @@ def test_without_namespaces_a_job_runs_unchanged_and_says_why(monkeypatch, capsy
     monkeypatch.setattr(private_tmp, "namespaces_allowed", lambda: (False, "unshare: Operation not permitted"))
     assert private_tmp.wrap(["python", "-V"]) == ["python", "-V"]
     assert "no private /tmp for this job (unshare: Operation not permitted)" in capsys.readouterr().err
+
+
+def test_a_benchmark_stopped_with_sigterm_runs_its_finally_blocks(tmp_path):
+    """The benchmarks' mains call `unwind_on_sigterm`: a SIGTERM unwinds like Ctrl-C, so the `finally` that stops a
+    job's processes and removes its cgroups runs. Without it, Python exits on SIGTERM and runs none of them."""
+    import signal
+    import subprocess
+
+    script = tmp_path / "bench.py"
+    done = tmp_path / "cleaned"
+    script.write_text(
+        "import sys, time\n"
+        "from verl_tide.testing.testbed import unwind_on_sigterm\n"
+        f"if sys.argv[1] == 'unwind': unwind_on_sigterm()\n"
+        "try:\n"
+        "    print('started', flush=True)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        f"    open({str(done)!r}, 'w').write(sys.argv[1])\n")
+    for mode, cleaned in (("unwind", True), ("default", False)):
+        done.unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "started"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        proc.stdout.close()
+        assert done.exists() is cleaned, mode
+        assert rc == (128 + signal.SIGTERM if cleaned else -signal.SIGTERM)

@@ -25,6 +25,16 @@ from verl_tide.testing.scratch import clean_run_files, clean_shm, run_files, run
 from verl_tide.testing.step_metrics import parse_step_metrics  # noqa: F401  (the launcher's callers read its lines)
 
 
+def unwind_on_sigterm() -> None:
+    """A benchmark stopped with SIGTERM (`kill`, a CI timeout) unwinds as on Ctrl-C, so its jobs' `finally` blocks
+    stop their processes and remove their device-budget cgroups; Python's default for SIGTERM runs none of them
+    (a killed head-to-head left its environment server running in its job's host group, the group in place)."""
+    def _raise(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _raise)
+
+
 @dataclass(frozen=True)
 class GRPOJob:
     """A short GRPO run sized for 2 CPU cores. `n_gpus` fake GPUs = FSDP ranks = vLLM replicas."""
