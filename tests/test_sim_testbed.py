@@ -301,3 +301,34 @@ def test_a_steps_readiness_counts_from_when_the_trainer_was_free_as_trainer_tide
     assert waited and all("waited for KV 0%" in why for why in waited), reasons
     assert not any(lent for _, lent, _ in sim.lend_decisions)
     assert sim.tracker.signals(1, 1.0).tprm_smoothed > 0 and r.consumed_tokens > 0
+
+
+def test_fully_async_lending_after_an_update_holds_its_trainer_for_the_activation():
+    """verl fully_async activates its hybrid replicas inside its weight-sync phase (`_fit_update_weights`), so the
+    step after a lend starts only once the activation is done: on the budgeted test bed its log timed that at
+    31 s (`hybrid_activate_s`). The cycle's switching is what its policy weighs next: after the costly lend it does
+    not lend again on this job."""
+    w = load_workload("testbed_demo")
+    spec = SystemSpec("fully_async_dynamic", rollout_ratio=0.5,
+                      **{**STOCK_SYSTEMS["verl_fully_async_dynamic"], "parameter_sync_step": 1})
+    cheap = _profile(step_overhead_s=0.0358, request_overhead_s=0.2651, hybrid_switch_s=0.2713, hybrid_activate_s=0.2713)
+    slow = _profile(step_overhead_s=0.0358, request_overhead_s=0.2651, hybrid_switch_s=0.2713, hybrid_activate_s=31.1)
+    runs = {}
+    for name, hw in (("cheap", cheap), ("slow", slow)):
+        sim = Simulation(w, 2, spec, hw, seed=0, dt=0.05)
+        lends: list[int] = []
+        step_ended = sim.hybrid.switch.step_ended
+
+        def record(waits, ready, cost, sim=sim, lends=lends, step_ended=step_ended):
+            lend = step_ended(waits, ready, cost)
+            if lend:
+                lends.append(sim.consumed_steps)
+            return lend
+
+        sim.hybrid.switch.step_ended = record
+        runs[name] = (sim.run(), lends, list(sim.hybrid.switch._switch_costs))
+    r, lends, costs = runs["slow"]
+    assert len(lends) == 1 and 31.1 in costs  # one lend after an update, its activation then weighed
+    gap = r.steps[lends[0]]["start_s"] - r.steps[lends[0] - 1]["end_s"]
+    assert gap >= 31.1
+    assert len(runs["cheap"][1]) > 1 and r.goodput_tok_s < runs["cheap"][0].goodput_tok_s

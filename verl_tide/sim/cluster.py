@@ -270,11 +270,16 @@ class Simulation:
             lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
                                           2 * self.costs.lend_switch_s if self.hybrid.round_trips else None)
             lend = lend and not self.hybrid.on and self.consumed_steps < self.w.steps
+            in_sync = self.hybrid.switch.activation_in_sync
+            activate_s = self.costs.activate_s if in_sync else self.costs.lend_switch_s
             if lend:
                 self.hybrid.round_trips += 1
-                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + self.costs.lend_switch_s)
+                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + activate_s)
+                if in_sync:  # fully_async activates the replicas in its weight-sync phase: its next step waits
+                    self.trainer_free_at = max(self.trainer_free_at, sync_end + activate_s)
             # the cycle's switches as verl times them: taken back at the step's start, lent again now
-            self.hybrid.switch.cycle_switched(self.costs.lend_switch_s * (int(self.hybrid.step_lent) + int(lend)))
+            self.hybrid.switch.cycle_switched(self.costs.lend_switch_s * int(self.hybrid.step_lent)
+                                              + (activate_s if lend else 0.0))
         for rr in self.rollout.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:

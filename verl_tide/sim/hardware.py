@@ -100,6 +100,10 @@ class Costs:
     # release the KV cache, build a process group, send, resume), where it differs from `sync_s`, the colocated
     # replicas' (None: `sync_s`); measured on the test bed from a stock separate_async run, where it took 0.3-5.6 s
     standalone_sync_s: Optional[float] = None
+    # verl fully_async's dynamic schedule lending its hybrid replicas again after an update (`sync_hybrid_weights`:
+    # abort, the naive weight sync to them, resume; its `activate_dur`), inside its trainer's weight-sync phase, so
+    # its next step waits for it (None: `lend_switch_s`); measured on the test bed from the run's own log line
+    hybrid_activate_s: Optional[float] = None
 
     @property
     def rollout_sync_s(self) -> float:
@@ -110,6 +114,11 @@ class Costs:
     def lend_switch_s(self) -> float:
         """One way of the hybrid replica's switch (separate_async's, fully_async's, ERS's lending)."""
         return self.switch_s if self.hybrid_switch_s is None else self.hybrid_switch_s
+
+    @property
+    def activate_s(self) -> float:
+        """verl fully_async's activation of its hybrid replicas after an update."""
+        return self.lend_switch_s if self.hybrid_activate_s is None else self.hybrid_activate_s
 
     def resize_s(self, actor_gpus: int) -> float:
         """One resize of the Actor's group from `actor_gpus` GPUs: each GPU's state shard out and back in."""
@@ -200,7 +209,7 @@ def fit_decode_iteration(points: list[tuple[float, float, float]]) -> tuple[floa
 PROFILE_RATES = tuple(f.name for f in fields(Costs) if f.name not in (
     "weight_bytes", "kv_bytes_per_token", "state_bytes", "pcie_bytes_s", "resize_overhead_s"))
 OPTIONAL_RATES = ("step_overhead_s", "request_overhead_s", "decode_seq_s", "start_s", "hybrid_switch_s",
-                  "actor_after_switch_s", "standalone_sync_s")
+                  "actor_after_switch_s", "standalone_sync_s", "hybrid_activate_s")
 
 
 def profile_names() -> list[str]:

@@ -32,6 +32,10 @@ class StepWaits:
 
 
 class HybridSwitch(Protocol):
+    # whether lending after an update is part of the trainer's weight-sync phase (its next step waits for it)
+    # and costs verl fully_async's activation (`Costs.activate_s`) rather than the switch one way
+    activation_in_sync: bool
+
     def threshold(self) -> int:
         """Sequences ready before the hybrid replicas go back to training."""
 
@@ -46,6 +50,8 @@ class HybridSwitch(Protocol):
 
 class SeparateAsyncSwitch:
     """verl separate_async's switch (defaults of `HybridRolloutSwitchConfig` in verl 0.9.1)."""
+
+    activation_in_sync = False
 
     def __init__(self, batch: int, parameter_sync_step: int, total_gpus: int, rollout_gpus: int,
                  poll_s: float = 2.0, ratio: float = 0.4, step_up: float = 0.05, step_down: float = 0.03,
@@ -95,6 +101,7 @@ class FullyAsyncDefaultPolicy:
 
     DEFAULT_SWITCH_COST_S = 10.0
     INITIAL_PER_SAMPLE_TIME_S = 1000.0
+    activation_in_sync = True  # `_fit_update_weights` activates the replicas before the trainer goes on
 
     def __init__(self, batch: int, ratio: float = 0.3):
         self.batch, self.ratio = batch, ratio
