@@ -100,9 +100,10 @@ class Costs:
     # release the KV cache, build a process group, send, resume), where it differs from `sync_s`, the colocated
     # replicas' (None: `sync_s`); measured on the test bed from a stock separate_async run, where it took 0.3-5.6 s
     standalone_sync_s: Optional[float] = None
-    # verl fully_async's dynamic schedule lending its hybrid replicas again after an update (`sync_hybrid_weights`:
-    # abort, the naive weight sync to them, resume; its `activate_dur`), inside its trainer's weight-sync phase, so
-    # its next step waits for it (None: `lend_switch_s`); measured on the test bed from the run's own log line
+    # verl fully_async's dynamic schedule lending its hybrid replicas again after an update with turns in flight
+    # (the weight sync to them, the activation, the request rebalance that waits up to 30 s for aborted turns to
+    # drain; its `activate_dur`), inside its trainer's weight-sync phase, so its next step waits for it (None:
+    # `lend_switch_s`); measured on the test bed from the runs' own log lines
     hybrid_activate_s: Optional[float] = None
 
     @property
