@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from verl_tide.core.readiness import (
     mini_batch_ready_times,
+    step_time_fed,
     ReadinessTracker,
     post_start_gaps,
     ready_at_start,
@@ -127,8 +128,23 @@ def test_smoothing_and_waits_reset_per_step():
         tr.step_finished(t=start + dur)
     s = tr.signals(ideal_batch=1, tau=1, t=200.0)
     assert s.tprm_smoothed == pytest.approx(0.5 * 4.0 + 0.5 * 2.0)
-    assert s.mean_step_time == pytest.approx(8.0)
+    # each step from its first ready micro-batch (10 - 2, 6 - 4): the wait before data is the rollout's
+    assert s.mean_step_time == pytest.approx(0.5 * 2.0 + 0.5 * 8.0)
     assert s.rollout_wait_s == 1.0  # only the last step's RWT
+
+
+def test_a_steps_time_counts_from_its_first_ready_micro_batch():
+    """The step begins before its sampler waits (trainer tide's on_step_begin); its time for ERS's consumption
+    check is the trainer's own pace, from the first data it could train to its update."""
+    assert step_time_fed(60.0, [50.0, 55.0]) == 10.0  # a cold start: 50 s of waiting for the rollout
+    assert step_time_fed(60.0, [-3.0, 0.0, 20.0]) == 60.0  # data there at the start: the whole step
+    assert step_time_fed(60.0, []) == 60.0
+    clock, tr = _tracker()
+    tr.step_started(t=0.0)
+    tr.micro_batch_ready("late", 1, t=50.0)
+    tr.micro_batch_consumed("late", t=50.0)
+    tr.step_finished(t=60.0)
+    assert tr.signals(ideal_batch=1, tau=1, t=60.0).mean_step_time == pytest.approx(10.0)
 
 
 def test_rollout_utilization_is_busy_time_over_the_ranks_working_time():

@@ -51,6 +51,16 @@ def time_per_ready_microbatch(ready_times: Sequence[float]) -> Optional[float]:
     return sum(gaps) / len(gaps) if gaps else None
 
 
+def step_time_fed(duration: float, ready_times: Sequence[float]) -> float:
+    """A step's time from its first ready micro-batch to its update: the trainer's own pace. The step begins
+    before its sampler waits (trainer `tide`'s `on_step_begin`), and a wait before any data was there is the
+    rollout's, not the step's: counted in, the cold start's wait inflated the mean step time for steps after it
+    and ERS's consumption check read the trainer as slower than it trains (found in the simulator: ALFWorld at
+    100 steps moved rollout ranks to Ref until the rollout starved, 32% of goodput)."""
+    first = min(ready_times, default=0.0)
+    return max(0.0, duration - max(0.0, first))
+
+
 def mini_batch_ready_times(ready_times: Sequence[float], per_mini_batch: int) -> list[float]:
     """Ready times as the trainer can use them, one per unit (sorted): verl's replay buffer hands out whole PPO
     mini-batches of `per_mini_batch` ready groups, so no group of a mini-batch trains before its last group is
@@ -312,7 +322,8 @@ class ReadinessTracker:
         self._last_tprm = time_per_ready_microbatch(self._step_ready_times)
         if self._last_tprm is not None:
             self._tprm_smoothed = _ewma(self._tprm_smoothed, self._last_tprm, self.smoothing)
-        self._mean_step_time = _ewma(self._mean_step_time, duration, self.smoothing)
+        self._mean_step_time = _ewma(self._mean_step_time, step_time_fed(duration, self._step_ready_times),
+                                     self.smoothing)
         self._last_rwt, self._last_twt = self._rwt, self._twt
         self._rwt = self._twt = 0.0
         self._step_start = None

@@ -273,8 +273,9 @@ class Simulation:
             in_sync = self.hybrid.switch.activation_in_sync
             # fully_async's rebalance after the activation waits (up to its 30 s timeout) for the requests it
             # aborted to drain: its cost where turns are in flight; the switch one way where none are
-            in_flight = any(tr.in_engine is not None for tr in self.rollout.trajs.values() if not tr.done)
-            activate_s = self.costs.activate_s if in_sync and in_flight else self.costs.lend_switch_s
+            in_flight = lend and in_sync and any(tr.in_engine is not None for tr in self.rollout.trajs.values()
+                                                 if not tr.done)
+            activate_s = self.costs.activate_s if in_flight else self.costs.lend_switch_s
             if lend:
                 self.hybrid.round_trips += 1
                 self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + activate_s)
