@@ -266,24 +266,7 @@ class Simulation:
         if self.ers is not None or self.spec.consume is Consume.RA2P:
             rec.plan = self.boundary.decide(end, sync_end, eval_next, times)
         if self.hybrid.switch is not None:  # verl's rule, after the update and before the sync (its on_step_end)
-            ready_next = len(self.rollout.ready) + sum(mb.sequences for mb in self.rollout.micro_batches)
-            lend = self.hybrid.switch.step_ended(self.hybrid.sampler_waits, ready_next,
-                                          2 * self.costs.lend_switch_s if self.hybrid.round_trips else None)
-            lend = lend and not self.hybrid.on and self.consumed_steps < self.w.steps
-            in_sync = self.hybrid.switch.activation_in_sync
-            # fully_async's rebalance after the activation waits (up to its 30 s timeout) for the requests it
-            # aborted to drain: its cost where turns are in flight; the switch one way where none are
-            in_flight = lend and in_sync and any(tr.in_engine is not None for tr in self.rollout.trajs.values()
-                                                 if not tr.done)
-            activate_s = self.costs.activate_s if in_flight else self.costs.lend_switch_s
-            if lend:
-                self.hybrid.round_trips += 1
-                self.hybrid.set(self, wake=True, switch_s=max(0.0, sync_end - self.t) + activate_s)
-                if in_sync:  # fully_async activates the replicas in its weight-sync phase: its next step waits
-                    self.trainer_free_at = max(self.trainer_free_at, sync_end + activate_s)
-            # the cycle's switches as verl times them: taken back at the step's start, lent again now
-            self.hybrid.switch.cycle_switched(self.costs.lend_switch_s * int(self.hybrid.step_lent)
-                                              + (activate_s if lend else 0.0))
+            self.hybrid.after_update(self, sync_end)
         for rr in self.rollout.ranks.values():
             rr.paused_until = max(rr.paused_until, sync_end)  # the weight sync pauses generation
         if self.progress:

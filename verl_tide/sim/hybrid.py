@@ -39,6 +39,27 @@ class HybridReplicas:
             self.served_s += max(0.0, sim.t - self.since)
         self.on = wake
 
+    def after_update(self, sim: Simulation, sync_end: float) -> None:
+        """verl's own rule (`switch`) after an update: adapt, and lend the replicas for the next step or not.
+        fully_async activates them in its weight-sync phase (its next step waits), and its rebalance after the
+        activation waits (up to its 30 s timeout) for the turns it aborted to drain: the activation's measured
+        cost where turns are in flight, the switch one way where none are."""
+        c = sim.costs
+        ready_next = len(sim.rollout.ready) + sum(mb.sequences for mb in sim.rollout.micro_batches)
+        lend = self.switch.step_ended(self.sampler_waits, ready_next, 2 * c.lend_switch_s if self.round_trips else None)
+        lend = lend and not self.on and sim.consumed_steps < sim.w.steps
+        in_sync = self.switch.activation_in_sync
+        in_flight = lend and in_sync and any(tr.in_engine is not None for tr in sim.rollout.trajs.values()
+                                             if not tr.done)
+        activate_s = c.activate_s if in_flight else c.lend_switch_s
+        if lend:
+            self.round_trips += 1
+            self.set(sim, wake=True, switch_s=max(0.0, sync_end - sim.t) + activate_s)
+            if in_sync:
+                sim.trainer_free_at = max(sim.trainer_free_at, sync_end + activate_s)
+        # the cycle's switches as verl times them: taken back at the step's start, lent again now
+        self.switch.cycle_switched(c.lend_switch_s * int(self.step_lent) + (activate_s if lend else 0.0))
+
     @staticmethod
     def _rebalance(sim: Simulation) -> None:
         """Stock hybrid replicas lent: verl clears its load balancer's sticky cache (fully_async also aborts and
