@@ -206,6 +206,39 @@ def test_a_trainer_waiting_on_an_unsaturated_rollout_tries_a_quarter_of_its_gpus
         assert resizer.decide(waited, even).actor_gpus == 16
 
 
+def test_a_trainer_that_never_waits_on_an_unsaturated_rollout_tries_a_quarter_of_the_rollout_gpus_once():
+    """The simulator's WebShop at 22 Actor GPUs: the trainer waited 0.2 of 55 s, the rollout made 40 seq/s on 10
+    GPUs with no work waiting for KV and its decode steps reading more weights than context. That rate is the
+    trainer's pace, not the rollout's capacity, so the model (fewer ranks, proportionally less) stays; ERS tries
+    two of the rollout's GPUs on the Actor, never below the KV the rollout's work held at once, and not where the
+    rollout was saturated or the trainer waited. Measured worse there, the run goes back and does not try 24
+    again; the next size up promises less than the 5% a move needs."""
+    steady = _signals(cycle_s=55.0, trainer_wait_s=0.2, rollout_capacity_rate=40.0, rollout_kv_bound=0.0,
+                      rollout_decode_context=90_000.0, rollout_kv_held_peak=3.0)
+    at_22 = _inputs(rollout_gpus=10, actor_gpus=22, batch=2048, weight_kv_tokens=265_000.0, steps_left=90)
+    assert target_split(steady, at_22)[0] == 22  # the model alone stays
+    to, gain, why = probe_split(steady, at_22)
+    assert to == 24 and abs(gain - 24 / 22 + 1) < 1e-9 and "the trainer bounds the cycle" in why
+    assert probe_split(dataclasses.replace(steady, rollout_kv_held_peak=9.0), at_22)[0] == 23  # 8 would not hold it
+    assert probe_split(dataclasses.replace(steady, rollout_kv_held_peak=9.5), at_22) is None
+    assert probe_split(dataclasses.replace(steady, rollout_kv_bound=0.8), at_22) is None  # KV-bound: the model's
+    assert probe_split(dataclasses.replace(steady, rollout_decode_context=300_000.0), at_22) is None  # decode-bound
+    assert probe_split(dataclasses.replace(steady, trainer_wait_s=5.5), at_22) is None  # 10%: neither way
+    assert probe_split(steady, dataclasses.replace(at_22, mini_batch=2016))[0] == 24  # 84 a GPU
+    assert probe_split(steady, dataclasses.replace(at_22, mini_batch=2048)) is None  # neither 24 nor 23 splits it
+
+    resizer = TrainerResizer(cooldown=0)
+    assert resizer.decide(steady, at_22).actor_gpus == 22  # the first cycle that asks
+    tried = resizer.decide(steady, at_22)
+    assert tried.actor_gpus == 24 and "24 GPU(s) tried" in tried.reason
+    worse = dataclasses.replace(steady, cycle_s=60.0)
+    at_24 = dataclasses.replace(at_22, rollout_gpus=8, actor_gpus=24)
+    back = [resizer.decide(worse, at_24) for _ in range(2)][-1]
+    assert back.actor_gpus == 22 and "22 GPU(s) measured best" in back.reason
+    for _ in range(4):  # 24 measured worse: the bracket is closed above it; 23 promises under 5%
+        assert resizer.decide(steady, at_22).actor_gpus == 22
+
+
 def test_the_simulator_resizes_a_rollout_heavy_start_toward_the_trainer_and_trains_faster():
     """The same decision through the boundary round: from 3 of 4 GPUs rolling out (6 of 8), ERS gives the Actor
     more (each resize logged with its stall), every sequence is accounted for, and the run is faster than without.

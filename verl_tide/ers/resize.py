@@ -99,32 +99,56 @@ def target_split(signals: ReadinessSignals, inputs: ResizeInputs,
 
 
 def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[float, float] = (0, float("inf")),
-                measured: frozenset[int] = frozenset(), trainer_wait_share: float = 0.25
-                ) -> Optional[tuple[int, float, str]]:
-    """(Actor GPUs, gain, why) for a move toward rollout that the model cannot predict; None where there is none.
+                measured: frozenset[int] = frozenset(), trainer_wait_share: float = 0.25,
+                trainer_bound_share: float = 0.05) -> Optional[tuple[int, float, str]]:
+    """(Actor GPUs, gain, why) for a move the model cannot predict; None where there is none. The cycles measured
+    after it decide whether it stays; a split that measured worse closes the bracket on its side, so each way is
+    tried once.
 
-    The model gives an unsaturated rollout nothing from more ranks, yet a trainer that waits a good share of the
-    cycle for it says rollout bounds the cycle, and more engines may still help it (shorter decode steps on smaller
-    batches, more trajectories at once beside a slow environment: the simulator's OSWorld from an even split gains
-    12% at 0.625). So a quarter of the Actor's GPUs go to rollout once, at a split the run has not measured and
-    inside the bracket; the gain assumes rollout scales with its GPUs (an upper bound), and the cycles measured
-    after the move decide whether it stays."""
+    - **Toward rollout**: the model gives an unsaturated rollout nothing from more ranks, yet a trainer that waits a
+      good share of the cycle for it says rollout bounds the cycle, and more engines may still help it (shorter
+      decode steps on smaller batches, more trajectories at once beside a slow environment: the simulator's OSWorld
+      from an even split gains 12% at 0.625). A quarter of the Actor's GPUs go to rollout; the gain assumes
+      rollout scales with its GPUs (an upper bound).
+    - **Toward the trainer**: a trainer that never waits bounds the cycle, and an unsaturated rollout (no work
+      waiting for KV, the weights' read dominating its decode steps) makes what the trainer consumes, not what it
+      could: its measured rate is the trainer's pace, and the model's work-conserving share gives fewer ranks
+      proportionally less (the simulator's WebShop at 22 Actor GPUs read 40 seq/s on 10 rollout GPUs and predicted
+      32 on 8; at 8 the rollout kept the 24 Actor GPUs fed, 7% faster a cycle). A quarter of the rollout's GPUs go
+      to the Actor, never below the KV its work held at once; the gain assumes the trainer scales with its GPUs
+      and the rollout keeps pace (an upper bound)."""
     cycle_s, twt, rate = signals.cycle_s, signals.trainer_wait_s, signals.rollout_capacity_rate
     r0, a0, g = inputs.rollout_gpus, inputs.actor_gpus, inputs.gpus_per_replica
-    if not cycle_s or not rate or r0 < g or twt < trainer_wait_share * cycle_s:
+    if not cycle_s or not rate or r0 < g:
         return None
-    step = max(g, (a0 // 4) // g * g)
-    sizes = [a for a in range(a0 - step, 0, -g) if within[0] < a < within[1]
-             and a not in measured and (inputs.mini_batch is None or inputs.mini_batch % a == 0)]
-    if not sizes:
-        return None
-    to = sizes[0]
+
+    def allowed(a: int) -> bool:
+        return within[0] < a < within[1] and a not in measured and (inputs.mini_batch is None
+                                                                    or inputs.mini_batch % a == 0)
+
     trainer_rate = _trainer_rate(signals, inputs)
     rollout_now = signals.rollout_rate_with(r0 // g, r0 // g) or rate
     now = min(rollout_now, trainer_rate)
-    at = min(rollout_now * (r0 + a0 - to) / r0, trainer_rate * to / a0)
-    return to, at / now - 1 if now > 0 else 0.0, (f"rollout bounds the cycle (the trainer waited {twt:.0f} of "
-                                                  f"{cycle_s:.0f} s) and was not saturated: {to} GPU(s) tried")
+    if twt >= trainer_wait_share * cycle_s:
+        step = max(g, (a0 // 4) // g * g)
+        sizes = [a for a in range(a0 - step, 0, -g) if allowed(a)]
+        if not sizes:
+            return None
+        to = sizes[0]
+        at = min(rollout_now * (r0 + a0 - to) / r0, trainer_rate * to / a0)
+        return to, at / now - 1 if now > 0 else 0.0, (f"rollout bounds the cycle (the trainer waited {twt:.0f} of "
+                                                      f"{cycle_s:.0f} s) and was not saturated: {to} GPU(s) tried")
+    saturated = rollout_rate_with(signals, r0 // g + 1, r0 // g, inputs.weight_kv_tokens, inputs.kv_bound_min)
+    if twt > trainer_bound_share * cycle_s or saturated is not None:
+        return None
+    step = max(g, (r0 // 4) // g * g)
+    sizes = [a for a in range(a0 + step, a0, -g) if allowed(a) and signals.kv_fits((r0 + a0 - a) // g,
+                                                                                     inputs.kv_bound_min)]
+    if not sizes:
+        return None
+    to = sizes[0]
+    return to, to / a0 - 1, (f"the trainer bounds the cycle (it waited {twt:.1f} of {cycle_s:.0f} s) and the "
+                             f"rollout was not saturated: {to} GPU(s) tried")
 
 
 @dataclass
