@@ -224,6 +224,8 @@ def test_a_trainer_that_never_waits_on_an_unsaturated_rollout_tries_a_quarter_of
     assert probe_split(dataclasses.replace(steady, rollout_kv_bound=0.8), at_22) is None  # KV-bound: the model's
     assert probe_split(dataclasses.replace(steady, rollout_decode_context=300_000.0), at_22) is None  # decode-bound
     assert probe_split(dataclasses.replace(steady, trainer_wait_s=5.5), at_22) is None  # 10%: neither way
+    one_left = dataclasses.replace(at_22, rollout_gpus=1, actor_gpus=2)  # never the rollout's last replica
+    assert probe_split(dataclasses.replace(steady, rollout_kv_held_peak=None), one_left) is None
     assert probe_split(steady, dataclasses.replace(at_22, mini_batch=2016))[0] == 24  # 84 a GPU
     assert probe_split(steady, dataclasses.replace(at_22, mini_batch=2048)) is None  # neither 24 nor 23 splits it
 

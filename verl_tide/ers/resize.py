@@ -142,7 +142,7 @@ def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[f
     if twt > trainer_bound_share * cycle_s or saturated is not None:
         return None
     step = max(g, (r0 // 4) // g * g)
-    sizes = [a for a in range(a0 + step, a0, -g) if allowed(a) and signals.kv_fits((r0 + a0 - a) // g,
+    sizes = [a for a in range(min(a0 + step, r0 + a0 - g), a0, -g) if allowed(a) and signals.kv_fits((r0 + a0 - a) // g,
                                                                                      inputs.kv_bound_min)]
     if not sizes:
         return None
