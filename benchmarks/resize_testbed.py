@@ -1,7 +1,7 @@
 """ERS's trainer resize on the CPU test bed: does a job started at the wrong split end its run as fast as one
 started at the right split?
 
-    python benchmarks/resize_testbed.py --device-budgets 0.5 --host-cores 0.5 --steps 20 --rounds 2 \
+    python benchmarks/resize_testbed.py --device-budgets 0.5 --host-cores 0.5 --steps 40 --rounds 2 \
         --json benchmarks/results/resize_testbed_budgeted_0.5_cpu.json
 
 The job: the demo's multi-turn environment job on 3 fake GPUs, shaped trainer-bound (4 PPO epochs a step; the
@@ -55,7 +55,7 @@ def cycles(run: dict) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tail", type=int, default=5, help="the last step cycles averaged as the run's end")
     ap.add_argument("--device-budgets", default="auto", metavar="CORES",
