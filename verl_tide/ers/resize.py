@@ -126,29 +126,26 @@ def probe_split(signals: ReadinessSignals, inputs: ResizeInputs, within: tuple[f
         return within[0] < a < within[1] and a not in measured and (inputs.mini_batch is None
                                                                     or inputs.mini_batch % a == 0)
 
-    trainer_rate = _trainer_rate(signals, inputs)
-    rollout_now = signals.rollout_rate_with(r0 // g, r0 // g) or rate
-    now = min(rollout_now, trainer_rate)
     if twt >= trainer_wait_share * cycle_s:
-        step = max(g, (a0 // 4) // g * g)
-        sizes = [a for a in range(a0 - step, 0, -g) if allowed(a)]
+        sizes = [a for a in range(a0 - max(g, (a0 // 4) // g * g), 0, -g) if allowed(a)]
         if not sizes:
             return None
-        to = sizes[0]
+        to, trainer_rate = sizes[0], _trainer_rate(signals, inputs)
+        rollout_now = signals.rollout_rate_with(r0 // g, r0 // g) or rate
+        now = min(rollout_now, trainer_rate)
         at = min(rollout_now * (r0 + a0 - to) / r0, trainer_rate * to / a0)
         return to, at / now - 1 if now > 0 else 0.0, (f"rollout bounds the cycle (the trainer waited {twt:.0f} of "
                                                       f"{cycle_s:.0f} s) and was not saturated: {to} GPU(s) tried")
     saturated = rollout_rate_with(signals, r0 // g + 1, r0 // g, inputs.weight_kv_tokens, inputs.kv_bound_min)
     if twt > trainer_bound_share * cycle_s or saturated is not None:
         return None
-    step = max(g, (r0 // 4) // g * g)
-    sizes = [a for a in range(min(a0 + step, r0 + a0 - g), a0, -g) if allowed(a) and signals.kv_fits((r0 + a0 - a) // g,
-                                                                                     inputs.kv_bound_min)]
+    most = min(a0 + max(g, (r0 // 4) // g * g), r0 + a0 - g)  # a quarter of rollout, never its last replica
+    sizes = [a for a in range(most, a0, -g)
+             if allowed(a) and signals.kv_fits((r0 + a0 - a) // g, inputs.kv_bound_min)]
     if not sizes:
         return None
-    to = sizes[0]
-    return to, to / a0 - 1, (f"the trainer bounds the cycle (it waited {twt:.1f} of {cycle_s:.0f} s) and the "
-                             f"rollout was not saturated: {to} GPU(s) tried")
+    return sizes[0], sizes[0] / a0 - 1, (f"the trainer bounds the cycle (it waited {twt:.1f} of {cycle_s:.0f} s) "
+                                         f"and the rollout was not saturated: {sizes[0]} GPU(s) tried")
 
 
 @dataclass
