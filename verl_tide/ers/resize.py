@@ -48,6 +48,7 @@ class ResizeInputs:
     kv_bound_min: float = 0.5
     gpus_per_replica: int = 1
     mini_batch: Optional[int] = None  # sequences in a PPO mini-batch: verl splits it evenly over the Actor's GPUs
+    max_staleness: int = 0  # versions a trajectory may lag: the cold start rolls out 1 + this many steps' groups
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,25 @@ class TrainerResizer:
             why = f"{why}; measured {gain:+.0%} at {to}"
         return to, gain, why
 
+    def cold_start_move(self, signals: ReadinessSignals, inputs: ResizeInputs) -> Optional[tuple[int, float, str]]:
+        """(target, gain, why) of a move the cold start's cycle settles alone, else None. The rollout starts the
+        groups of 1 + `max_staleness` steps at once and the cycle counts only the first step's ready: its rate is
+        a lower bound, up to 1 + `max_staleness` times low. Where the model moves the same way at both ends of
+        that range, the smaller of the two moves goes now, without a second cycle to confirm it (the simulator's
+        WebShop from 4 rollout GPUs of 32: a 434 s cold start, then a 196 s second cycle before the confirmed
+        move; OSWorld from 12 of 32 read its second cycle as a reason to go back to the start split)."""
+        rate = signals.rollout_capacity_rate
+        if not rate or inputs.max_staleness < 1:
+            return None
+        ends = [target_split(replace(signals, rollout_capacity_rate=rate * k), inputs)
+                for k in (1, 1 + inputs.max_staleness)]
+        a0 = inputs.actor_gpus
+        if any(t is None or t[0] == a0 or t[1] < self.min_gain for t in ends) \
+                or (ends[0][0] > a0) != (ends[1][0] > a0):
+            return None
+        to, gain, why = min(ends, key=lambda t: abs(t[0] - a0))
+        return to, gain, f"{why}; the cold start's rollout rate up to {1 + inputs.max_staleness}x as high moves too"
+
     def decide(self, signals: ReadinessSignals, inputs: ResizeInputs, eval_next: bool = False) -> ResizeDecision:
         """At a post-update boundary, from the cycle that just ended; `eval_next`: an evaluation runs in the next
         cycle (no move before it: the rollout serves it)."""
@@ -252,6 +272,9 @@ class TrainerResizer:
             target = self._overruled_by_the_run(target, a0)
         if target is not None and (target[0] == a0 or target[1] < self.min_gain):
             target = probe_split(signals, inputs, self.bracket(), frozenset(self._measured)) or target
+        cold = None if eval_cycle or eval_next or self._cycles_seen > self.warmup \
+            else self.cold_start_move(signals, inputs)
+        target = cold or target
         wanted = target[0] if target is not None and target[1] >= self.min_gain and target[0] != a0 else None
         self._recent = [*self._recent, wanted][-self.window:]
         if target is None:
@@ -262,7 +285,7 @@ class TrainerResizer:
         if wanted is None:
             return ResizeDecision(a0, gain, f"no move: {why}; best split within {self.min_gain:.0%}")
         same_way = [w for w in self._recent if w is not None and (w > a0) == (best > a0)]
-        if len(same_way) < self.confirm:
+        if cold is None and len(same_way) < self.confirm:
             return ResizeDecision(a0, gain, f"not yet: {why}; Actor {a0} -> {best} GPU(s) stood {len(same_way)} of "
                                             f"{self.confirm} cycles")
         if self._since_move <= self.cooldown:

@@ -157,7 +157,7 @@ class SimBoundaryPort:
             return None
         return ResizeInputs(len(sim.rollout.ranks), sim.actor_ranks, sim.B, sim.costs.resize_s(sim.actor_ranks),
                             sim.w.steps - sim.consumed_steps, sim.costs.weight_bytes / sim.costs.kv_bytes_per_token,
-                            sim.ers_cfg.split_advice_kv_bound)
+                            sim.ers_cfg.split_advice_kv_bound, max_staleness=sim.w.max_staleness)
 
     # ---- CTB's budget window ----------------------------------------------------------------
     def budget_inputs(self, mark_only: bool = False) -> Optional[BudgetInputs]:

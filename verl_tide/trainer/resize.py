@@ -76,14 +76,14 @@ class TrainerResize:
     _last_boundary: Optional[float] = None
 
     def inputs(self, actor_gpus: int, roles: dict[int, Role], batch: int, steps_left: int, *,
-               weight_kv_tokens: Optional[float], kv_bound_min: float) -> ResizeInputs:
+               weight_kv_tokens: Optional[float], kv_bound_min: float, max_staleness: int = 0) -> ResizeInputs:
         """The decision's inputs, the saturation tests' figures as the split advice reads them (the model's weights
         in KV tokens, `tide.ers.split_advice_kv_bound`), as the simulator gives them."""
         rollout = self.gpus_per_replica * sum(r is Role.ROLLOUT for r in roles.values())
         return ResizeInputs(rollout_gpus=rollout, actor_gpus=actor_gpus, batch=batch, move_s=self.move_s,
                             steps_left=steps_left, weight_kv_tokens=weight_kv_tokens, kv_bound_min=kv_bound_min,
-                            mini_batch=self.mini_batch,
-                            gpus_per_replica=self.gpus_per_replica)
+                            mini_batch=self.mini_batch, gpus_per_replica=self.gpus_per_replica,
+                            max_staleness=max_staleness)
 
     def apply(self, trainer: Any, decision: ResizeDecision, step: int) -> AppliedResize:
         """The move to `decision.actor_gpus`; call after the update, before `before_sync`."""

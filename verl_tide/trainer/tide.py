@@ -370,7 +370,8 @@ class TideTrainer(PPOTrainerSeparateAsync):
             if self.budget_window is not None and clocks is not None else None,
             self.resize.inputs(self.actor_rollout_wg.world_size, self.rollout_roles, self.planner.ers.ideal_batch,
                                self.total_training_steps - self.global_steps,
-                               weight_kv_tokens=advice.weight_kv_tokens, kv_bound_min=advice.kv_bound_min)
+                               weight_kv_tokens=advice.weight_kv_tokens, kv_bound_min=advice.kv_bound_min,
+                               max_staleness=tide.max_staleness)
             if self.resize is not None else None)
         context = RoundContext(
             self._phase(), self.rollout_roles, elastic_ref=self.elastic is not None,
