@@ -392,3 +392,31 @@ def test_a_boundary_that_resizes_the_actor_group_moves_no_rank_to_ref():
     port = Port()
     BoundaryRound(Planner(8)).run(inputs, RoundContext(), port)  # no resize: the plan's moves apply
     assert port.calls == [("move_ranks", plan.moves), ("report", PlanOutcome.APPLIED)]
+
+
+def test_the_cold_start_moves_alone_where_every_rollout_rate_it_allows_moves_the_same_way():
+    """The cold start rolls out the groups of 1 + max_staleness steps and its cycle counts the first step's: the
+    rollout's rate there is up to that many times low. The simulator's WebShop from 4 rollout GPUs of 32 read 5.2
+    seq/s (10.5 the next cycle) with the trainer idle 382 of 434 s: at either rate rollout bounds the cycle, so the
+    smaller move goes after the first cycle. From 8 of 32 it read 17.9 seq/s against a trainer making 36.4: at twice
+    the rate the two sides balance, and the move waits for the cycles that confirm it (there none did)."""
+    starved = _signals(cycle_s=434.0, trainer_wait_s=382.0, rollout_capacity_rate=5.2, rollout_kv_bound=0.8)
+    at_28 = _inputs(rollout_gpus=4, actor_gpus=28, batch=2048, steps_left=99, max_staleness=1)
+    low, high = (target_split(dataclasses.replace(starved, rollout_capacity_rate=r), at_28)[0] for r in (5.2, 10.4))
+    assert low < high < 28  # the higher rate asks for fewer rollout GPUs
+    moved = TrainerResizer().decide(starved, at_28)
+    assert moved.actor_gpus == high and moved.reason.startswith("resize") and "cold start" in moved.reason
+    # without a staleness bound the cold start rolled out one step's groups: nothing to bound, the rule as usual
+    assert TrainerResizer().decide(starved, dataclasses.replace(at_28, max_staleness=0)).reason.startswith("not yet")
+    # an evaluation next: no move before it
+    assert TrainerResizer().decide(starved, at_28, eval_next=True).actor_gpus == 28
+    # only the run's first cycle is its cold start
+    later = TrainerResizer()
+    later.decide(_signals(cycle_s=100.0, rollout_kv_bound=0.0, rollout_capacity_rate=30.0), at_28)
+    assert later.decide(starved, at_28).reason.startswith("not yet")
+
+    balanced_at_twice = _signals(cycle_s=153.0, trainer_wait_s=96.0, rollout_capacity_rate=17.9, rollout_kv_bound=0.8)
+    at_24 = _inputs(rollout_gpus=8, actor_gpus=24, batch=2048, steps_left=99, max_staleness=1)
+    assert target_split(balanced_at_twice, at_24)[0] < 24  # the cold start's rate alone says: to rollout
+    assert TrainerResizer().cold_start_move(balanced_at_twice, at_24) is None
+    assert TrainerResizer().decide(balanced_at_twice, at_24).actor_gpus == 24
